@@ -1,0 +1,115 @@
+"""The one place that knows where a decoder's parts live.
+
+``Backbone`` is a thin view over a Hugging Face causal LM of the Llama family shape
+(``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``model.lm_head``). It runs any
+slice of decoder layers with a caller-built 4-D additive mask, explicit position ids and a
+transformers ``DynamicCache``, all through the layers' public ``forward`` arguments. Nothing is
+stored on the model and nothing is patched; the config is never rewritten.
+
+Running ``layers[a:b]`` is what lets early exit draft with the first E layers and lets the
+verifier resume at layer E from the hidden states the draft already computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+# Families whose decoder is embed -> layers -> norm -> lm_head with rotary embeddings shared by
+# all layers, and whose layers take (hidden, attention_mask, position_ids, past_key_values,
+# position_embeddings). Gemma's embedding scale lives inside its embedding module.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+
+
+@dataclass(frozen=True)
+class ForwardOut:
+    hidden: torch.Tensor   # (n, H) after the last layer run (pre-norm)
+
+
+class Backbone:
+    def __init__(self, model: torch.nn.Module):
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {config.model_type!r} is not supported: selfspec handles {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        attn = getattr(config, "_attn_implementation", None)
+        if attn not in (None, "sdpa", "eager"):
+            raise ValueError(
+                f"attention implementation {attn!r} cannot take tree masks: load the model with attn_implementation='sdpa'"
+            )
+        self.model = model
+        self.config = config
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.num_layers = len(self.layers)
+        self.hidden_size = config.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.sliding_window = self._sliding_window(config)
+
+    @staticmethod
+    def _sliding_window(config) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if window is None or (types is not None and "sliding_attention" not in types):
+            return None
+        if getattr(config, "use_sliding_window", True) is False:
+            return None
+        return int(window)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) ids -> (1, n, H)."""
+        return self.embed_tokens(input_ids[None])
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        *,
+        start: int,
+        end: int,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        """Run ``layers[start:end]`` on (1, n, H), appending their KV to ``cache``. Mask: (1, 1, n, kv_len) additive."""
+        pos_emb = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers[start:end]:
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=pos_emb,
+            )
+        return hidden
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed)
+
+
+def config_fingerprint(config) -> str:
+    """Short hash of the parts of a config that heads depend on (shapes, depth, vocabulary, rope)."""
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size", "rope_theta", "max_position_embeddings", "tie_word_embeddings")
+    d = {k: getattr(config, k, None) for k in keys}
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

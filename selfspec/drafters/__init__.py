@@ -1,0 +1,41 @@
+"""Drafter registry: name -> drafter class. ``none`` is plain autoregressive decoding."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import Tree, build_tree
+from .base import DecodeState, Draft, Drafter, Resume, TargetOut
+from .draft_model import DraftModelDrafter
+from .early_exit import EarlyExitDrafter
+from .medusa import MedusaDrafter
+
+
+class NoDrafter(Drafter):
+    """Drafts nothing: every step verifies the pending token alone (plain decoding, selfspec's loop)."""
+
+    name = "none"
+
+    def __init__(self, device: torch.device):
+        self.tree = build_tree((), str(device))
+
+    def draft(self, state: DecodeState) -> Draft:
+        return Draft(tree=self.tree, tokens=torch.tensor([state.ids[-1]], device=self.tree.parents.device))
+
+
+DRAFTERS: dict[str, type[Drafter]] = {
+    "none": NoDrafter,
+    "early-exit": EarlyExitDrafter,
+    "medusa": MedusaDrafter,
+    "draft-model": DraftModelDrafter,
+}
+
+
+def check_drafter_name(name: str) -> str:
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(DRAFTERS)}")
+    return name
+
+
+__all__ = ["DRAFTERS", "Draft", "DecodeState", "Drafter", "Resume", "TargetOut", "Tree", "check_drafter_name",
+           "DraftModelDrafter", "EarlyExitDrafter", "MedusaDrafter", "NoDrafter"]

@@ -1,0 +1,108 @@
+"""What every drafter shares: the decode state it reads, the Draft it returns, the hooks it gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ..backbone import Backbone
+from ..sampling import SamplingParams, pick_candidates, probs_from_logits
+from ..tree import Tree
+from ..verify import Accepted
+
+
+@dataclass
+class DecodeState:
+    """Invariant: ``cache`` holds every token of ``ids`` except the last, the *pending* token
+    (already chosen by the target, not yet run through it). So ``past_len == len(ids) - 1``."""
+
+    ids: list[int]
+    cache: DynamicCache
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def past_len(self) -> int:
+        return len(self.ids) - 1
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Hidden states after ``layer`` decoder layers for the first m tree nodes, whose KV in
+    layers < ``layer`` the drafter has already written to the cache (early exit)."""
+
+    layer: int
+    hidden: torch.Tensor  # (1, m, H)
+
+
+@dataclass(frozen=True)
+class Draft:
+    tree: Tree
+    tokens: torch.Tensor              # (n,) long; tokens[0] = pending root
+    q: torch.Tensor | None = None     # (R, V) draft probs (sampling only); row d: children of depth-d nodes
+    resume: Resume | None = None
+
+
+@dataclass
+class TargetOut:
+    logits: torch.Tensor   # (n, V) target logits after each node
+    hidden: torch.Tensor   # (n, H) final post-norm hidden states
+
+
+class Drafter:
+    """Subclasses implement ``draft``; the hooks default to doing nothing."""
+
+    name: str = "?"
+    heads = None  # a heads.Heads for drafters with trainable heads
+
+    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
+        """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""
+
+    def draft(self, state: DecodeState) -> Draft:
+        raise NotImplementedError
+
+    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+        """Called after the target committed ``accepted``; ``state`` is already updated."""
+
+
+@dataclass(frozen=True)
+class Candidates:
+    tokens: torch.Tensor          # (R, width) token ids in rank order, one row per depth
+    q: torch.Tensor | None        # (R, V) full-vocabulary draft probs (sampling), None when greedy
+
+
+def row_candidates(
+    logits: torch.Tensor, width: int, *, vocab: torch.Tensor | None, vocab_size: int, state: DecodeState
+) -> Candidates:
+    """(R, V_draft) draft logits -> the top ``width`` (greedy) or ``width`` draws without
+    replacement (sampling) per row, mapped from the draft vocabulary back to token ids."""
+    if state.params.do_sample:
+        q_small = probs_from_logits(logits, state.params)
+        cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
+        q = q_small if vocab is None else q_small.new_zeros(q_small.shape[0], vocab_size).index_copy_(1, vocab, q_small)
+    else:
+        cand = pick_candidates(logits, width, params=state.params, generator=None)
+        q = None
+    return Candidates(tokens=cand if vocab is None else vocab[cand], q=q)
+
+
+def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
+    """Node i at depth d and rank r gets candidate r of row d - 1 -> (n,) tokens, root first.
+
+    Every drafter here drafts one distribution per depth (Medusa's head d, or the chain node at
+    depth d - 1), so that row is also the q the node's children were drawn from: q_index = depth.
+    """
+    body = cand[tree.depths[1:] - 1, tree.ranks[1:]]
+    return torch.cat([torch.tensor([root], device=body.device), body])
+
+
+def tree_width(tree: Tree) -> int:
+    return max((tree.width_at(d) for d in range(1, tree.depth + 1)), default=1)
+
+
+def lm_head_rows(backbone: Backbone, vocab: torch.Tensor | None) -> torch.Tensor:
+    """LM-head weight rows the draft scores against: all of them, or a frequent-token subset."""
+    w = backbone.lm_head.weight
+    return w if vocab is None else w.index_select(0, vocab)

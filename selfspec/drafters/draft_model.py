@@ -1,0 +1,71 @@
+"""Two-model baseline: a separate small causal LM (same tokenizer) drafts a chain of k tokens.
+
+The draft model keeps its own KV cache through its public forward. It has seen a prefix of the
+committed tokens; each step it first catches up on the tokens it has not seen (the pending
+token, plus the last draft when the whole chain was accepted), then drafts k - 1 more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cache as kv
+from ..tree import Tree
+from ..verify import Accepted
+from .base import DecodeState, Draft, Drafter, TargetOut, layout, row_candidates
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft-model"
+
+    def __init__(self, draft_model: torch.nn.Module, tree: Tree, *, vocab_size: int):
+        if not tree.is_chain:
+            raise ValueError("the draft-model drafter drafts a chain: use tree='chain-K'")
+        draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
+        if draft_vocab < vocab_size:
+            raise ValueError(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({vocab_size}): "
+                             "the draft must share the target's tokenizer")
+        self.model = draft_model
+        self.tree = tree
+        self.vocab_size = vocab_size
+        self.cache = kv.new_cache()
+        self.seen = 0  # tokens of state.ids in self.cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
+        self.cache = kv.new_cache()
+        self.seen = 0
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Feed ids after the seen prefix -> logits (V,) for the next token."""
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.arange(self.seen, self.seen + len(ids), device=self.device)[None]
+        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        self.seen += len(ids)
+        return out.logits[0, -1, : self.vocab_size]
+
+    @torch.no_grad()
+    def draft(self, state: DecodeState) -> Draft:
+        k = self.tree.depth
+        z = self._forward(state.ids[self.seen:])
+        rows, qs = [], []
+        for j in range(k):
+            cand = row_candidates(z[None], 1, vocab=None, vocab_size=self.vocab_size, state=state)
+            rows.append(cand.tokens)
+            qs.append(cand.q)
+            if j + 1 < k:
+                z = self._forward([int(cand.tokens[0, 0])])
+        tokens = layout(self.tree, state.ids[-1], torch.cat(rows))
+        q = torch.cat(qs) if state.params.do_sample else None
+        return Draft(tree=self.tree, tokens=tokens, q=q)
+
+    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+        # The cache saw the old pending token and drafts 1..k-1; accepted drafts stay valid.
+        k = self.tree.depth
+        valid = len(state.ids) - 1 - accepted.num_accepted + min(accepted.num_accepted, k - 1)
+        kv.truncate(self.cache, valid)
+        self.seen = valid

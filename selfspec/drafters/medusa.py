@@ -1,0 +1,47 @@
+"""Medusa drafter: K heads on the target's last hidden state propose a sparse candidate tree.
+
+No extra forward pass: the hidden state that produced the pending token comes out of the
+previous verification (or prefill), and head d's top candidates fill depth d of the tree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from ..backbone import Backbone
+from ..heads import Heads
+from ..tree import Tree
+from ..verify import Accepted
+from .base import DecodeState, Draft, Drafter, TargetOut, layout, lm_head_rows, row_candidates, tree_width
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+
+    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree):
+        k = heads.config.num_heads
+        if tree.depth > k:
+            raise ValueError(f"tree depth {tree.depth} exceeds the {k} Medusa heads: use a tree of depth <= {k}")
+        self.backbone = backbone
+        self.heads = heads
+        self.tree = tree
+        self.vocab = heads.draft_vocab
+        self.weight = lm_head_rows(backbone, self.vocab)  # (V_draft, H)
+        self.hidden: torch.Tensor | None = None          # (H,) that produced the pending token
+
+    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
+        self.hidden = prefill.hidden[-1]
+
+    @torch.no_grad()
+    def draft(self, state: DecodeState) -> Draft:
+        depth = self.tree.depth
+        # Only the heads the tree uses: (depth, H) -> (depth, V_draft).
+        h = self.heads.module(self.hidden)[:depth]
+        logits = F.linear(h, self.weight)
+        cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
+                              vocab_size=self.backbone.vocab_size, state=state)
+        return Draft(tree=self.tree, tokens=layout(self.tree, state.ids[-1], cand.tokens), q=cand.q)
+
+    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+        self.hidden = out.hidden[accepted.path[-1]]

@@ -1,0 +1,137 @@
+"""Trainable draft heads and their on-disk format.
+
+* ``MedusaHeads``: K residual blocks on the target's last (post-norm) hidden state; head k
+  (1-based) predicts the token k positions after the target's own next token. Each block is
+  zero-initialised, so an untrained head repeats the target's own next-token prediction.
+* ``ExitHead``: a residual MLP on the hidden state after decoder layer E, followed by the
+  target's final norm and LM head. Zero-initialised: untrained, it *is* plain early exit.
+
+Both feed the target's shared LM head (not stored here). A heads directory holds
+``config.json`` (kind, base model name and config fingerprint, sizes, exit layer, selfspec
+version) and ``model.safetensors``. Loading refuses heads made for another model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from . import __version__
+
+KINDS = ("medusa", "early-exit")
+
+
+@dataclass
+class HeadsConfig:
+    kind: str
+    base_model: str
+    base_fingerprint: str
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 0              # medusa
+    exit_layer: int | None = None   # early-exit
+    intermediate_size: int = 0      # early-exit adapter width
+    draft_vocab_size: int = 0       # 0 = the full vocabulary; else heads score only `draft_vocab` tokens
+    lora: dict | None = None        # set when the backbone was fine-tuned with the heads (Medusa-2): output changes
+    selfspec_version: str = __version__
+    extra: dict = field(default_factory=dict)  # training provenance (data, steps, accuracy)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), zero-initialised so it starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_heads))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) post-norm hidden -> (..., K, H) inputs for the shared LM head."""
+        return torch.stack([block(hidden) for block in self.blocks], dim=-2)
+
+
+class ExitHead(nn.Module):
+    """Residual MLP adapter on layer-E hidden states (pre-norm); output goes to the final norm + LM head."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.down(nn.functional.silu(self.up(hidden)))
+
+
+@dataclass
+class Heads:
+    config: HeadsConfig
+    module: nn.Module
+    draft_vocab: torch.Tensor | None = None  # (V_draft,) token ids the heads may propose; None = all
+
+
+def build_heads(config: HeadsConfig) -> nn.Module:
+    if config.kind == "medusa":
+        return MedusaHeads(config.hidden_size, config.num_heads)
+    if config.kind == "early-exit":
+        return ExitHead(config.hidden_size, config.intermediate_size)
+    raise ValueError(f"unknown heads kind {config.kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors atomically (temporary files, then rename)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in heads.module.state_dict().items()}
+    if heads.draft_vocab is not None:
+        tensors["draft_vocab"] = heads.draft_vocab.detach().cpu().to(torch.int64)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".safetensors.tmp")
+    os.close(fd)
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, directory / "model.safetensors")
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".json.tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(heads.config), f, indent=2)
+    os.replace(tmp, directory / "config.json")
+
+
+def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None) -> Heads:
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
+        raise ValueError(f"{directory} is not a heads directory (needs config.json and model.safetensors)")
+    raw = json.loads(cfg_path.read_text())
+    known = set(HeadsConfig.__dataclass_fields__)
+    config = HeadsConfig(**{k: v for k, v in raw.items() if k in known})
+    if config.kind != expect_kind:
+        raise ValueError(f"{directory} holds {config.kind!r} heads, but the drafter is {expect_kind!r}")
+    if config.base_fingerprint != fingerprint:
+        raise ValueError(
+            f"{directory} was trained for {config.base_model!r} (config fingerprint {config.base_fingerprint}), "
+            f"which does not match this model (fingerprint {fingerprint}): train heads for this model with `selfspec train-heads`"
+        )
+    tensors = load_file(directory / "model.safetensors")
+    draft_vocab = tensors.pop("draft_vocab", None)
+    module = build_heads(config)
+    module.load_state_dict(tensors)
+    module.to(device=device, dtype=dtype).eval()
+    if draft_vocab is not None:
+        draft_vocab = draft_vocab.to(device)
+    return Heads(config=config, module=module, draft_vocab=draft_vocab)

@@ -1,0 +1,202 @@
+"""SelfSpeculativeModel: the public API.
+
+    from selfspec import SelfSpeculativeModel
+    sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter="medusa",
+                                              heads="checkpoints/smollm2-135m/medusa")
+    ids = sm.generate(input_ids, max_new_tokens=128)   # same tokens as model.generate(...)
+    print(sm.last_stats.tau)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .backbone import Backbone, config_fingerprint
+from .decode import DecodeStats, decode
+from .drafters import DRAFTERS, DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter, check_drafter_name
+from .heads import Heads, HeadsConfig, build_heads, load_heads, save_heads
+from .loading import load_model, resolve_device, resolve_dtype
+from .sampling import SamplingParams
+from .tree import MEDUSA_DEFAULT, build_tree, chain, parse_tree
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_HEADS = 4
+DEFAULT_EARLY_EXIT_TREE = "chain-4"
+DEFAULT_DRAFT_MODEL_TREE = "chain-4"
+# generate() kwargs transformers users commonly pass that have no effect here.
+_IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id", "num_beams", "num_return_sequences"}
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor   # (1, prompt + new)
+    stats: DecodeStats
+
+
+def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM_HEADS,
+                    exit_layer: int | None = None) -> Heads:
+    """Zero-initialised heads (Medusa heads repeat the target's next token; the exit head is plain early exit)."""
+    cfg = model.config
+    n_layers = cfg.num_hidden_layers
+    config = HeadsConfig(
+        kind=kind, base_model=name, base_fingerprint=config_fingerprint(cfg), hidden_size=cfg.hidden_size,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        num_heads=num_heads if kind == "medusa" else 0,
+        exit_layer=(exit_layer if exit_layer is not None else n_layers // 2) if kind == "early-exit" else None,
+        intermediate_size=cfg.hidden_size if kind == "early-exit" else 0,
+    )
+    p = model.get_output_embeddings().weight
+    return Heads(config=config, module=build_heads(config).to(device=p.device, dtype=p.dtype).eval())
+
+
+class SelfSpeculativeModel:
+    def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, tree, name: str,
+                 draft_model=None, exit_layer: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.backbone = Backbone(model)
+        self.drafter_name = check_drafter_name(drafter_name)
+        self.heads = heads
+        self.last_stats: DecodeStats | None = None
+        device = str(self.backbone.device)
+        if drafter_name == "none":
+            self.drafter = NoDrafter(self.backbone.device)
+        elif drafter_name == "medusa":
+            self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=MEDUSA_DEFAULT), device))
+        elif drafter_name == "early-exit":
+            if exit_layer is not None and exit_layer != heads.config.exit_layer:
+                raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
+            default = parse_tree(DEFAULT_EARLY_EXIT_TREE, default=chain(4))
+            self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device))
+        else:
+            default = parse_tree(DEFAULT_DRAFT_MODEL_TREE, default=chain(4))
+            self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(tree, default=default), device),
+                                             vocab_size=self.backbone.vocab_size)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, name_or_path, drafter: str = "medusa", heads=None, exit_layer: int | None = None,
+                        draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS):
+        """Load a target model and attach a drafter.
+
+        heads: a heads directory (from ``selfspec train-heads``) for ``medusa`` / ``early-exit``; None gives
+        untrained heads (output still exact, acceptance low) with a warning. draft_model: a model name/path
+        (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
+        "chain-K-wW" or a list of paths (see selfspec.tree).
+        """
+        check_drafter_name(drafter)
+        dtype, device = resolve_dtype(dtype), resolve_device(device)
+        loaded = load_model(name_or_path, dtype=dtype, device=device)
+        model = loaded.model
+        head_obj, draft = None, None
+        if drafter in ("medusa", "early-exit"):
+            fp = config_fingerprint(model.config)
+            p = model.get_output_embeddings().weight
+            if heads is None:
+                warnings.warn(f"no heads given for drafter {drafter!r}: using untrained heads (exact output, little "
+                              "speed-up); train some with `selfspec train-heads`", stacklevel=2)
+                head_obj = untrained_heads(drafter, model, loaded.name, num_heads=num_heads, exit_layer=exit_layer)
+            else:
+                head_obj = load_heads(heads, expect_kind=drafter, fingerprint=fp, device=p.device, dtype=p.dtype)
+                if head_obj.config.lora:
+                    cls._apply_lora(model, Path(heads), head_obj.config)
+        elif drafter == "draft-model":
+            if draft_model is None:
+                raise ValueError("drafter='draft-model' needs draft_model= (a model directory, .gguf, or hub id)")
+            if isinstance(draft_model, (str, os.PathLike)):
+                draft = load_model(str(draft_model), dtype=dtype, device=device).model
+            else:
+                draft = draft_model
+        elif heads is not None or draft_model is not None:
+            raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
+        return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
+                   draft_model=draft, exit_layer=exit_layer)
+
+    @staticmethod
+    def _apply_lora(model, heads_dir: Path, config: HeadsConfig) -> None:
+        """Medusa-2 checkpoints fine-tune the backbone too: merge their LoRA adapter (output changes)."""
+        from peft import PeftModel
+
+        adapter = heads_dir / "lora"
+        if not adapter.is_dir():
+            raise ValueError(f"{heads_dir} says it was trained with LoRA but has no lora/ adapter directory")
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        model.load_state_dict(merged.state_dict())
+        warnings.warn(f"{heads_dir} fine-tuned the backbone with LoRA (Medusa-2): generations follow the fine-tuned "
+                      "model, not the original one", stacklevel=3)
+
+    def save_pretrained(self, directory) -> None:
+        """Save the drafter's heads as a heads directory (config.json + model.safetensors)."""
+        if self.heads is None:
+            raise ValueError(f"drafter {self.drafter_name!r} has no heads to save")
+        save_heads(self.heads, directory)
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
+                 temperature=None, top_k=None, top_p=None, eos_token_id=None, streamer=None,
+                 generation_config=None, generator: torch.Generator | None = None,
+                 return_dict_in_generate: bool = False, **kwargs):
+        """Like transformers' ``generate`` for one sequence; returns (1, prompt + new) ids.
+
+        Greedy output is token-identical to the plain model's; sampled output has its exact
+        distribution. Pass ``generator=`` for reproducible sampling. Stats go to ``last_stats``.
+        """
+        unknown = set(kwargs) - _IGNORED_KWARGS
+        if unknown:
+            raise ValueError(f"generate() does not support {', '.join(sorted(unknown))}")
+        if input_ids is None:
+            raise ValueError("generate() needs input_ids (tokenize your prompt first)")
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"selfspec generates one sequence at a time; got input_ids of shape {tuple(input_ids.shape)} "
+                             "(batch size > 1 is not supported yet: loop over prompts)")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token")
+        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+            raise ValueError("attention_mask has padding: pass the prompt unpadded (batch size 1 needs no padding)")
+
+        gc = generation_config if generation_config is not None else self.model.generation_config
+        pick = lambda given, attr, default: given if given is not None else (getattr(gc, attr, None) if getattr(gc, attr, None) is not None else default)  # noqa: E731
+        max_new = pick(max_new_tokens, "max_new_tokens", 20)
+        if int(max_new) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {max_new})")
+        sampling = bool(pick(do_sample, "do_sample", False))
+        params = SamplingParams(
+            do_sample=sampling,
+            temperature=float(pick(temperature, "temperature", 1.0)),
+            top_k=int(pick(top_k, "top_k", 0)) if sampling else 0,
+            top_p=float(pick(top_p, "top_p", 1.0)) if sampling else 1.0,
+        )
+        eos = pick(eos_token_id, "eos_token_id", None)
+        eos_ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+
+        window = self.backbone.sliding_window
+        if window is not None and input_ids.shape[1] + max_new > window:
+            raise ValueError(f"prompt + max_new_tokens ({input_ids.shape[1] + max_new}) exceeds the model's sliding "
+                             f"window ({window}), which selfspec's tree masks do not implement")
+
+        prompt = input_ids[0].to(self.backbone.device)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        on_tokens = (lambda toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
+        new, stats = decode(self.backbone, self.drafter, prompt, params=params, max_new_tokens=int(max_new),
+                            eos_token_ids=eos_ids, generator=generator, on_tokens=on_tokens)
+        if streamer is not None:
+            streamer.end()
+        self.last_stats = stats
+        sequences = torch.cat([input_ids.to(prompt.device), torch.tensor([new], device=prompt.device)], dim=1)
+        return GenerateOutput(sequences=sequences, stats=stats) if return_dict_in_generate else sequences
+
+    def __repr__(self) -> str:
+        return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r})"

@@ -1,0 +1,520 @@
+"""Self-distillation data: the target model answers prompts itself, stored as resumable Arrow shards.
+
+On-disk layout of ``out_dir``::
+
+    meta.json          settings the data was made with; a rerun with different settings is refused
+    shard-00000/       one ``datasets.Dataset.save_to_disk`` directory per chunk of prompts
+    shard-00001/ ...
+
+Each row: ``id`` (str), ``input_ids`` (int32 list: prompt tokens then response tokens, no padding),
+``response_start`` (index of the first response token) and ``n_response`` (number of response tokens).
+A response ends after the first EOS token, which is kept; a response without EOS ran to ``max_new_tokens``.
+
+Prompt tokens are exactly what the target saw: the chat template with the generation prompt when the
+tokenizer has one, else the raw prompt with the tokenizer's special tokens. A prompt longer than
+``max_prompt_tokens`` is truncated from the left (its end is kept), because the end holds the question
+and the template's assistant header, which the response is conditioned on.
+
+Resuming: shards appear by ``os.rename`` of a finished temporary directory, so a killed run leaves
+only whole shards (plus a ``.tmp-*`` directory that the next run deletes); a rerun skips every prompt
+id already stored. Ids identify prompts: a stored id is never regenerated, even if its text changed.
+
+CLI: ``python -m selfspec.training.data --model smollm2-135m --prompts FILE --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SHARD_PREFIX = "shard-"
+TMP_PREFIX = ".tmp-"
+# Settings that change what a row means; appending rows made under different values is refused.
+# The seed is recorded but not compared: other seeds give other samples of the same distribution.
+COMPARED_SETTINGS = ("format", "model", "max_new_tokens", "temperature", "max_prompt_tokens", "prompt_format", "eos_token_ids")
+
+
+@dataclass(frozen=True)
+class DataGenConfig:
+    """Defaults for generation; the CLI flags are derived from these fields."""
+
+    max_new_tokens: int = 128
+    batch_size: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+    max_prompt_tokens: int = 512
+    shard_size: int = 8  # batches per shard: the most work a killed run can lose
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """What one CLI run did; ``generated``/``response_tokens``/``wall_s`` count this run only."""
+
+    prompts: int
+    generated: int
+    skipped: int
+    response_tokens: int
+    wall_s: float
+    rows: int
+    out: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def line(self) -> str:
+        return (
+            f"gen-data: {self.prompts} prompts ({self.generated} generated, {self.skipped} already stored), "
+            f"{self.response_tokens} response tokens in {self.wall_s:.1f} s = {self.tokens_per_s:.1f} tok/s "
+            f"-> {self.out} ({self.rows} rows)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def load_prompts(source, *, max_prompts: int | None = None, split: str = "train") -> list[dict]:
+    """Read prompts as ``[{"id": str, "prompt": str, ...}]`` in source order, at most ``max_prompts``.
+
+    ``source`` is a ``.jsonl`` file (one JSON object per line with a "prompt"; a row without "id" gets
+    its 0-based line index as id), a directory written by ``Dataset.save_to_disk``, or anything
+    ``datasets.load_dataset`` accepts (a hub name, a data file, a dataset script directory), read from
+    ``split`` with its "prompt" column. Raises ValueError (one line: what is wrong, how to fix it) for
+    a missing source, invalid JSON, a row without a non-empty string prompt, or duplicate ids.
+    """
+    if max_prompts is not None and max_prompts < 0:
+        raise ValueError(f"max_prompts must be >= 0, got {max_prompts}")
+    path = Path(str(source)).expanduser()
+    if path.suffix == ".jsonl":
+        if not path.is_file():
+            raise ValueError(f"prompt file {path} does not exist: pass a JSONL file with one {{\"prompt\": ...}} per line")
+        rows = _read_jsonl(path, max_prompts=max_prompts)
+    else:
+        rows = _read_dataset(str(source), path=path, split=split, max_prompts=max_prompts)
+    seen = set()
+    for row in rows:
+        if row["id"] in seen:
+            raise ValueError(f"{source}: id {row['id']!r} appears twice: prompt ids must be unique")
+        seen.add(row["id"])
+    return rows
+
+
+def _read_jsonl(path: Path, *, max_prompts: int | None) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            if max_prompts is not None and len(rows) >= max_prompts:
+                break
+            if not line.strip():
+                continue  # a trailing blank line is common and harmless; it still counts as a line index
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{index + 1}: invalid JSON ({e.msg}): each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{index + 1}: expected a JSON object with a \"prompt\" key, got {type(row).__name__}")
+            rows.append(_check_row(row, index=index, where=f"{path}:{index + 1}"))
+    return rows
+
+
+def _read_dataset(source: str, *, path: Path, split: str, max_prompts: int | None) -> list[dict]:
+    if path.is_dir() and (path / "state.json").is_file():
+        ds = datasets.load_from_disk(str(path))
+    else:
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(
+                f"cannot load prompts from {source!r}: {first} (pass a .jsonl file, a saved dataset directory, "
+                f"or a dataset name available offline)"
+            ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"{source} has no split {split!r} (splits: {', '.join(ds)}): pick one of them")
+        ds = ds[split]
+    if "prompt" not in ds.column_names:
+        raise ValueError(
+            f"{source} has no 'prompt' column (columns: {', '.join(ds.column_names)}): rename the column holding the prompts to 'prompt'"
+        )
+    if max_prompts is not None:
+        ds = ds.select(range(min(max_prompts, len(ds))))
+    return [_check_row(dict(row), index=index, where=f"{source} row {index}") for index, row in enumerate(ds)]
+
+
+def _check_row(row: dict, *, index: int, where: str) -> dict:
+    prompt = row.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: no prompt (need a non-empty string under \"prompt\"): fix or drop that row")
+    row_id = row.get("id")
+    row["id"] = str(index) if row_id is None else str(row_id)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+
+
+def uses_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """The token ids the target model is given for each prompt (untruncated).
+
+    With a chat template: the template applied to one user turn plus the generation prompt, then
+    tokenized without adding special tokens again (the template already wrote them). Without one:
+    the raw prompt with the tokenizer's usual special tokens (e.g. BOS).
+    """
+    if uses_chat_template(tokenizer):
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return tokenizer(list(prompts))["input_ids"]
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a response: the model's generation-config EOS ids plus the tokenizer's."""
+    ids = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    if not ids:
+        raise ValueError("neither the model's generation_config nor the tokenizer defines an EOS token: set tokenizer.eos_token")
+    return sorted(int(i) for i in ids)
+
+
+def cut_after_eos(tokens: list[int], eos_ids) -> list[int]:
+    """Keep tokens up to and including the first EOS (everything after it is generate's padding)."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _features() -> datasets.Features:
+    # int32 halves the footprint of Arrow's default int64; every real vocabulary fits.
+    return datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),  # a List on datasets >= 4
+            "response_start": datasets.Value("int32"),
+            "n_response": datasets.Value("int32"),
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def generate_distillation_data(
+    model,
+    tokenizer,
+    prompts: list[dict],
+    out_dir,
+    *,
+    max_new_tokens: int = DataGenConfig.max_new_tokens,
+    batch_size: int = DataGenConfig.batch_size,
+    temperature: float = DataGenConfig.temperature,
+    seed: int = DataGenConfig.seed,
+    max_prompt_tokens: int = DataGenConfig.max_prompt_tokens,
+    shard_size: int = DataGenConfig.shard_size,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Let ``model`` answer every prompt whose id is not yet in ``out_dir``; return all rows stored there.
+
+    ``prompts`` are rows as returned by :func:`load_prompts` (unique "id", "prompt"). Pending prompts
+    are sorted longest first (less padding per batch, and a batch size that does not fit in memory
+    fails in the first minute rather than the last), left-padded into batches of ``batch_size`` and
+    passed to ``model.generate``: greedy when ``temperature == 0``, else plain sampling at
+    ``temperature`` (no top-k/top-p, so the data follows the model's own distribution) with the RNG
+    seeded from ``seed`` and the batch's ids, so a rerun of the same batches samples the same tokens.
+    Every ``shard_size`` batches become one shard. ``model_name`` (default: ``model.config.name_or_path``)
+    goes into ``meta.json``; ValueError if ``out_dir`` was made with other settings (see
+    ``COMPARED_SETTINGS``) or another run is writing to it. The returned rows are in shard order.
+    """
+    if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
+        raise ValueError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must all be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    prompts = [{**row, "id": str(row["id"])} for row in prompts]  # ids are stored as strings; compare them as such
+    if len({row["id"] for row in prompts}) != len(prompts):
+        raise ValueError("prompt ids are not unique: give every prompt its own id")
+    out_dir = Path(out_dir)
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    meta = {
+        "format": FORMAT_VERSION,
+        "model": model_name or getattr(model.config, "name_or_path", "") or type(model).__name__,
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "max_prompt_tokens": int(max_prompt_tokens),
+        "prompt_format": "chat" if uses_chat_template(tokenizer) else "raw",
+        "eos_token_ids": eos_ids,
+        "seed": int(seed),
+        "vocab_size": len(tokenizer),
+        "token_dtype": "int32",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir):
+        _remove_stale_temporaries(out_dir)
+        _check_or_write_meta(out_dir, meta)
+        shards = _finished_shards(out_dir)
+        done = _stored_ids(shards)
+        pending = [row for row in prompts if row["id"] not in done]
+        log.info("%d prompts: %d already stored in %s, %d to generate", len(prompts), len(prompts) - len(pending), out_dir, len(pending))
+        token_ids = prompt_token_ids(tokenizer, [row["prompt"] for row in pending]) if pending else []
+        n_truncated = sum(len(t) > max_prompt_tokens for t in token_ids)
+        if n_truncated:
+            log.warning("%d prompts longer than %d tokens keep only their last %d", n_truncated, max_prompt_tokens, max_prompt_tokens)
+        # Longest first; ties keep source order, so the batches are a pure function of the pending set.
+        work = sorted(
+            ((row["id"], t[-max_prompt_tokens:]) for row, t in zip(pending, token_ids)), key=lambda item: -len(item[1])
+        )
+        first_shard = 1 + max((int(p.name[len(SHARD_PREFIX):]) for p in shards), default=-1)
+        per_shard = batch_size * shard_size
+        started, n_tokens = time.perf_counter(), 0
+        with tqdm(total=len(work), unit="prompt", disable=not progress, desc="gen-data", file=sys.stderr) as bar:
+            for shard_no, lo in enumerate(range(0, len(work), per_shard)):
+                rows = []
+                for b in range(lo, min(lo + per_shard, len(work)), batch_size):
+                    batch = work[b : b + batch_size]
+                    rows += _answer_batch(
+                        model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=_batch_seed(seed, [row_id for row_id, _ in batch]),
+                    )
+                    n_tokens += sum(row["n_response"] for row in rows[-len(batch):])
+                    bar.update(len(batch))
+                    bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - started):.1f}")
+                _write_shard(out_dir, index=first_shard + shard_no, rows=rows)
+    return load_distillation_data(out_dir)
+
+
+def _batch_seed(seed: int, batch_ids: list[str]) -> int:
+    # Keyed on the batch's ids, not its position, so a resumed run reproduces the batches it redoes.
+    return zlib.crc32(("\x1f".join([str(seed), *batch_ids])).encode())
+
+
+def _answer_batch(model, batch: list[tuple[str, list[int]]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
+                  temperature: float, seed: int) -> list[dict]:
+    """Rows for one batch of (id, prompt token ids), generated as one left-padded ``generate`` call."""
+    device = model.device
+    width = max(len(p) for _, p in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
+    for i, (_, p) in enumerate(batch):
+        # Left padding: every prompt ends at column T-1, so every response starts at column T.
+        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, width - len(p):] = 1
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id)
+    if temperature > 0:
+        # Override any top-k/top-p in the model's generation_config: the heads must learn the model's own distribution.
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
+    else:
+        kwargs.update(do_sample=False)
+    # generate() samples from the global RNG; fork it so that seeding here leaks into no other code.
+    fork_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)  # (B, T + new)
+    eos = set(eos_ids)
+    rows = []
+    for (row_id, prompt), generated in zip(batch, out[:, width:].tolist()):
+        response = cut_after_eos(generated, eos)
+        rows.append({"id": row_id, "input_ids": prompt + response, "response_start": len(prompt), "n_response": len(response)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- storage
+
+
+def load_distillation_data(out_dir) -> datasets.Dataset:
+    """All rows of every finished shard in ``out_dir`` (shard order); empty with the right columns if none."""
+    out_dir = Path(out_dir)
+    if not (out_dir / META_FILE).is_file():
+        raise ValueError(f"{out_dir} has no {META_FILE}: it is not distillation data; make it with `python -m selfspec.training.data`")
+    shards = _finished_shards(out_dir)
+    if not shards:
+        return datasets.Dataset.from_dict({name: [] for name in _features()}, features=_features())
+    return datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards])
+
+
+def read_meta(out_dir) -> dict:
+    """The settings ``out_dir`` was made with (its ``meta.json``)."""
+    return json.loads((Path(out_dir) / META_FILE).read_text())
+
+
+def _finished_shards(out_dir: Path) -> list[Path]:
+    return sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name.startswith(SHARD_PREFIX))
+
+
+def _stored_ids(shards: list[Path]) -> set[str]:
+    ids = set()
+    for p in shards:
+        ids.update(datasets.load_from_disk(str(p))["id"])
+    return ids
+
+
+def _write_shard(out_dir: Path, *, index: int, rows: list[dict]) -> None:
+    final = out_dir / f"{SHARD_PREFIX}{index:05d}"
+    tmp = out_dir / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    columns = {name: [row[name] for row in rows] for name in _features()}
+    ds = datasets.Dataset.from_dict(columns, features=_features())
+    with _datasets_progress_bars_off():
+        ds.save_to_disk(str(tmp))
+    os.rename(tmp, final)  # atomic: readers see a whole shard or none
+    log.info("wrote %s (%d rows)", final.name, len(rows))
+
+
+def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
+    path = out_dir / META_FILE
+    if path.is_file():
+        stored = read_meta(out_dir)
+        diffs = [k for k in COMPARED_SETTINGS if stored.get(k) != meta[k]]
+        if diffs:
+            was = ", ".join(f"{k}={stored.get(k)!r}" for k in diffs)
+            now = ", ".join(f"{k}={meta[k]!r}" for k in diffs)
+            raise ValueError(f"{out_dir} was made with {was} but this run has {now}: use another output directory or the same settings")
+        return
+    if _finished_shards(out_dir) or any(not p.name.startswith(TMP_PREFIX) for p in out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty and has no {META_FILE}: pick a new or empty output directory")
+    tmp = out_dir / f"{TMP_PREFIX}{META_FILE}"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    # Only a killed run leaves these; the directory lock guarantees no live writer owns them.
+    for p in out_dir.iterdir():
+        if p.name.startswith(TMP_PREFIX) and p.is_dir():
+            shutil.rmtree(p)
+        elif p.name.startswith(TMP_PREFIX):
+            p.unlink()
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path):
+    """Hold an advisory lock on the directory itself (no lock file to leave behind)."""
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another run is writing to {out_dir}: wait for it to finish or use another output directory") from None
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@contextlib.contextmanager
+def _datasets_progress_bars_off():
+    # save_to_disk draws its own bar per shard, which would interleave with ours.
+    was_enabled = datasets.utils.is_progress_bar_enabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.utils.enable_progress_bars()
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the generation flags (defaults from :class:`DataGenConfig`) to ``parser``; shared with ``selfspec gen-data``."""
+    d = DataGenConfig()
+    parser.add_argument("--model", required=True, help="model alias, local directory, .gguf file or hub id (e.g. smollm2-135m)")
+    parser.add_argument("--prompts", required=True, help="JSONL file with a \"prompt\" (and optional \"id\") per line, or a dataset name/path")
+    parser.add_argument("--out", required=True, help="output directory; rerunning with the same one resumes")
+    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed (ignored when greedy)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longer prompts keep their last N tokens")
+    parser.add_argument("--shard-size", type=int, default=d.shard_size, help="batches per shard (the most a killed run loses)")
+    parser.add_argument("--split", default="train", help="split to read when --prompts is a dataset")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_from_args(args: argparse.Namespace) -> GenerationSummary:
+    """Run generation as the parsed flags say, print the one-line summary, and return it."""
+    from selfspec.loading import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, max_prompts=args.max_prompts, split=args.split)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    out_dir = Path(args.out)
+    before = _stored_ids(_finished_shards(out_dir)) if out_dir.is_dir() else set()
+    started = time.perf_counter()
+    ds = generate_distillation_data(
+        loaded.model,
+        loaded.tokenizer,
+        prompts,
+        out_dir,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+        shard_size=args.shard_size,
+        model_name=loaded.name,
+        progress=not args.no_progress,
+    )
+    wall = time.perf_counter() - started
+    wanted = {row["id"] for row in prompts} - before
+    new_tokens = sum(n for row_id, n in zip(ds["id"], ds["n_response"]) if row_id in wanted)
+    summary = GenerationSummary(
+        prompts=len(prompts),
+        generated=len(wanted),
+        skipped=len(prompts) - len(wanted),
+        response_tokens=new_tokens,
+        wall_s=wall,
+        rows=len(ds),
+        out=str(out_dir),
+    )
+    print(summary.line(), flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_data_args(argparse.ArgumentParser(prog="python -m selfspec.training.data", description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        run_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Candidate trees: the shape of a draft, as data.
+
+A tree is a tuple of *paths*. Node 0 is the root: the pending token, already chosen by the
+target and not yet in the KV cache. Every other node is named by its path of child ranks from
+the root: ``(0,)`` is the root's best candidate, ``(1,)`` its second, ``(0, 2)`` the third
+candidate under ``(0,)``. A chain of k drafts is ``((0,), (0, 0), ..., (0,) * k)``.
+
+Node order is the order the paths are given in (parents must come before children), so a
+drafter can choose an order that suits it (early exit puts its chain first, see
+``drafters/early_exit.py``). ``build_tree`` turns the paths into everything the verifier and
+the acceptance rules need, once per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tree:
+    paths: tuple[Path, ...]     # node i >= 1 has path paths[i - 1]
+    parents: torch.Tensor       # (n,) long; parents[0] = -1
+    depths: torch.Tensor        # (n,) long; root depth 0
+    ranks: torch.Tensor         # (n,) long; rank of the node among its parent's candidates (root: 0)
+    ancestors: torch.Tensor     # (n, n) bool; [i, j] = j is i or an ancestor of i
+    children: tuple[tuple[int, ...], ...]  # children[i] = node ids, in rank order
+    node_paths: tuple[tuple[int, ...], ...]  # node_paths[i] = node ids from the root to i, inclusive
+
+    @property
+    def size(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(len(c) <= 1 for c in self.children)
+
+    def width_at(self, depth: int) -> int:
+        """Most candidates any node at ``depth - 1`` asks for at ``depth`` (how many to pick per row)."""
+        return 1 + max((p[-1] for p in self.paths if len(p) == depth), default=-1)
+
+    def attention_mask(self, past_len: int, *, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
+        """Additive mask (1, 1, n_rows, past_len + n): every node sees the whole past and its own ancestors."""
+        anc = self.ancestors[rows]
+        visible = torch.cat([torch.ones(anc.shape[0], past_len, dtype=torch.bool, device=anc.device), anc], dim=1)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=anc.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    def position_ids(self, past_len: int) -> torch.Tensor:
+        """(1, n): the root sits at ``past_len``, a node at depth d at ``past_len + d``."""
+        return (self.depths + past_len)[None]
+
+
+def chain(k: int) -> tuple[Path, ...]:
+    return tuple((0,) * d for d in range(1, k + 1))
+
+
+def chain_with_siblings(k: int, width: int) -> tuple[Path, ...]:
+    """A greedy chain of k, plus ``width - 1`` alternative leaves at every depth; chain nodes first."""
+    spine = chain(k)
+    leaves = tuple((0,) * (d - 1) + (r,) for d in range(1, k + 1) for r in range(1, width))
+    return spine + leaves
+
+
+@functools.lru_cache(maxsize=64)
+def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
+    """Pure builder, cached on the (hashable) shape and device."""
+    paths = tuple(tuple(int(r) for r in p) for p in paths)
+    index = {(): 0}
+    parents, depths, ranks = [-1], [0], [0]
+    for i, p in enumerate(paths, start=1):
+        if not p or any(r < 0 for r in p):
+            raise ValueError(f"tree path {p!r} must be a non-empty tuple of non-negative ranks")
+        if p in index:
+            raise ValueError(f"tree path {p!r} appears twice")
+        if p[:-1] not in index:
+            raise ValueError(f"tree path {p!r} comes before its parent {p[:-1]!r}: list parents first")
+        index[p] = i
+        parents.append(index[p[:-1]])
+        depths.append(len(p))
+        ranks.append(p[-1])
+    n = len(parents)
+    children = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
+    children = tuple(tuple(sorted(c, key=lambda j: ranks[j])) for c in children)
+    ancestors = torch.zeros(n, n, dtype=torch.bool)
+    node_paths = []
+    for i in range(n):
+        walk, j = [], i
+        while j >= 0:
+            ancestors[i, j] = True
+            walk.append(j)
+            j = parents[j]
+        node_paths.append(tuple(reversed(walk)))
+    dev = torch.device(device)
+    return Tree(
+        paths=paths,
+        parents=torch.tensor(parents, device=dev),
+        depths=torch.tensor(depths, device=dev),
+        ranks=torch.tensor(ranks, device=dev),
+        ancestors=ancestors.to(dev),
+        children=children,
+        node_paths=tuple(node_paths),
+    )
+
+
+# Medusa-style sparse tree for 4 heads: wide near the root where heads are accurate, thin deeper.
+# 15 candidate nodes + root = 16, which the measured forward-cost curve (DESIGN.md) prices at
+# ~1.9 plain steps on the 2-core CPU; tune with `selfspec bench` after training.
+MEDUSA_DEFAULT: tuple[Path, ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0),
+)
+
+
+def parse_tree(spec, *, default: tuple[Path, ...]) -> tuple[Path, ...]:
+    """``"auto"`` -> default; ``"chain-K"``; ``"chain-K-wW"`` (chain + W-1 sibling leaves); or explicit paths."""
+    if spec is None or spec == "auto":
+        return default
+    if isinstance(spec, str):
+        parts = spec.split("-")
+        try:
+            if parts[0] == "chain" and len(parts) == 2:
+                return chain(int(parts[1]))
+            if parts[0] == "chain" and len(parts) == 3 and parts[2].startswith("w"):
+                return chain_with_siblings(int(parts[1]), int(parts[2][1:]))
+        except ValueError:
+            pass
+        raise ValueError(f"unknown tree {spec!r}: use 'auto', 'chain-K', 'chain-K-wW' or a list of paths")
+    return tuple(tuple(p) for p in spec)

@@ -1,0 +1,119 @@
+"""Acceptance rules: pure functions of tensors.
+
+Convention (Leviathan et al. 2023): **p** is the target model's distribution, **q** the draft's.
+Both are already processed by ``sampling.probs_from_logits`` with the same parameters.
+
+Node 0 of a tree is the root (the pending token, already chosen by the target). Target row i
+(``p[i]`` or ``target_argmax[i]``) is the target's prediction for the token *after* node i, so
+node i is correct when its token matches its parent's row. ``num_accepted`` counts accepted draft
+nodes, not the root and not the bonus token; the step emits ``num_accepted + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class Accepted:
+    path: tuple[int, ...]   # accepted node ids, root first (len = num_accepted + 1)
+    bonus: int              # the token the target adds after the last accepted node
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def greedy_accept(tree: Tree, tokens: torch.Tensor, target_argmax: torch.Tensor) -> Accepted:
+    """Longest root path whose every token equals the target's argmax at its parent.
+
+    tokens, target_argmax: (n,) long. Exact: the committed tokens are the ones plain greedy
+    decoding would produce, whatever the draft proposed.
+    """
+    match = tokens == target_argmax[tree.parents.clamp(min=0)]
+    match[0] = True
+    alive = ~(tree.ancestors & ~match[None, :]).any(dim=1)   # (n,) every node on the path matches
+    # The single host sync of a greedy step: which node to keep.
+    best = int(torch.argmax(torch.where(alive, tree.depths, -1)))
+    return Accepted(path=tree.node_paths[best], bonus=int(target_argmax[best]))
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); falls back to p where p == q leaves nothing (rejection had probability 0)."""
+    r = (p - q).clamp(min=0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=1e-30), p)
+
+
+def rejection_accept_chain(
+    p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor, *, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """Speculative sampling over a chain of k drafts.
+
+    p: (k + 1, V) target probs at the root and after each draft; q: (k, V) draft probs each draft
+    was sampled from; draft_tokens: (k,). Accept draft j with probability min(1, p_j(x)/q_j(x));
+    at the first rejection resample from norm(max(0, p_j - q_j)); if all pass, sample from p_k.
+    Returns (num_accepted, next_token).
+    """
+    k = draft_tokens.shape[0]
+    rows = torch.arange(k, device=p.device)
+    ratio = p[rows, draft_tokens] / q[rows, draft_tokens]
+    u = torch.rand(k, generator=generator, device=p.device)
+    rejected = (u >= ratio).nonzero()
+    n = int(rejected[0]) if len(rejected) else k
+    dist = _residual(p[n], q[n]) if n < k else p[k]
+    return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+def rejection_accept_tree(
+    tree: Tree,
+    tokens: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    q_index: torch.Tensor,
+    *,
+    generator: torch.Generator | None,
+) -> Accepted:
+    """Lossless multi-candidate speculative sampling down a tree (recursive rejection sampling).
+
+    tokens: (n,); p: (n, V) target probs after each node; q: (R, V) draft distributions;
+    q_index: (n,) the q row node i's children were drawn from, without replacement, in rank order.
+
+    At a node, its children are tried in rank order: child x is accepted with probability
+    min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)) and x is removed from q (it was drawn
+    without replacement, and the new p gives it zero mass anyway). Each try is a standard
+    speculative-sampling step against the current residual, so the token that leaves the node is
+    distributed exactly as the target's p. If no child is accepted the bonus token is drawn from
+    the final residual; at a leaf, from p.
+    """
+    toks = tokens.tolist()
+    path, node = [0], 0
+    p_cur = p[0]
+    while tree.children[node]:
+        q_cur = q[int(q_index[node])].clone()
+        nxt = None
+        for child in tree.children[node]:
+            x = toks[child]
+            qx = float(q_cur[x])
+            if qx <= 0:  # a padded duplicate, or mass already spent
+                continue
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u < float(p_cur[x]) / qx:
+                nxt = child
+                break
+            p_cur = _residual(p_cur, q_cur)
+            q_cur[x] = 0
+            mass = q_cur.sum()
+            if mass <= 0:
+                break
+            q_cur = q_cur / mass
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+        p_cur = p[node]
+    return Accepted(path=tuple(path), bonus=int(torch.multinomial(p_cur, 1, generator=generator)))

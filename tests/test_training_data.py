@@ -1,0 +1,289 @@
+"""Self-distillation data: prompt loading, generated rows, EOS handling, resuming, settings checks.
+
+Everything runs on a tiny random Llama and a word-level tokenizer built in memory (no files, no network).
+"""
+
+import json
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from selfspec.training.data import (
+    add_data_args,
+    cut_after_eos,
+    generate_distillation_data,
+    load_distillation_data,
+    load_prompts,
+    prompt_token_ids,
+    read_meta,
+)
+
+PAD, BOS, EOS = 0, 2, 3
+WORDS = ["<pad>", "<unk>", "<bos>", "<eos>", "user:", "assistant:"] + [f"w{i}" for i in range(58)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos> user: {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def make_tokenizer(*, chat: bool) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def prompts(n: int) -> list[dict]:
+    # Different lengths so that sorting and left padding both matter.
+    return [{"id": f"p{i}", "prompt": " ".join(f"w{(7 * i + j) % 58}" for j in range(1 + (i * 3) % 7))} for i in range(n)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------- prompts
+
+
+def test_load_prompts_jsonl_ids_default_to_line_index(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{"prompt": "y", "source": "s"}\n\n{"id": 7, "prompt": "z"}\n')
+    rows = load_prompts(path)
+    assert [r["id"] for r in rows] == ["a", "1", "7"]
+    assert [r["prompt"] for r in rows] == ["x", "y", "z"]
+    assert rows[1]["source"] == "s"
+    assert [r["id"] for r in load_prompts(path, max_prompts=2)] == ["a", "1"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"id": "a", "prompt": "x"}\n{"id": "b"}\n', "no prompt"),
+        ('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', "invalid JSON"),
+        ('{"id": "a", "prompt": ""}\n', "no prompt"),
+        ('["x"]\n', "expected a JSON object"),
+        ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "appears twice"),
+    ],
+)
+def test_load_prompts_rejects_bad_rows(tmp_path, text, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        load_prompts(path)
+    assert "\n" not in str(info.value)
+
+
+def test_load_prompts_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(tmp_path / "nope.jsonl")
+
+
+def test_load_prompts_from_dataset(tmp_path):
+    datasets.Dataset.from_dict({"prompt": ["x", "y"], "other": [1, 2]}).save_to_disk(str(tmp_path / "ds"))
+    assert load_prompts(tmp_path / "ds") == [{"prompt": "x", "other": 1, "id": "0"}, {"prompt": "y", "other": 2, "id": "1"}]
+    datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        load_prompts(tmp_path / "bad")
+
+
+# ------------------------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_rows_hold_prompt_then_response(tmp_path, chat):
+    model, tokenizer = make_model(), make_tokenizer(chat=chat)
+    rows = prompts(5)
+    ds = generate_distillation_data(model, tokenizer, rows, tmp_path / "d", max_new_tokens=6, batch_size=2, progress=False)
+    assert set(ds.column_names) >= {"id", "input_ids", "response_start", "n_response"}
+    assert ds.features["input_ids"].feature.dtype == "int32"
+    assert sorted(ds["id"]) == sorted(r["id"] for r in rows)
+    expected_prompts = dict(zip([r["id"] for r in rows], prompt_token_ids(tokenizer, [r["prompt"] for r in rows])))
+    for row in ds:
+        prompt = expected_prompts[row["id"]]
+        assert row["input_ids"][: row["response_start"]] == prompt
+        assert row["response_start"] == len(prompt)
+        assert row["n_response"] == len(row["input_ids"]) - row["response_start"] <= 6
+        if chat:
+            assert prompt[0] == BOS and prompt[-1] == WORDS.index("assistant:")
+        else:
+            assert prompt == tokenizer(dict((r["id"], r["prompt"]) for r in rows)[row["id"]])["input_ids"]
+
+
+def test_batched_greedy_matches_one_prompt_at_a_time(tmp_path):
+    # Left padding must not change what the model answers.
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = prompts(4)
+    batched = generate_distillation_data(model, tokenizer, rows, tmp_path / "b", max_new_tokens=5, batch_size=4, progress=False)
+    single = generate_distillation_data(model, tokenizer, rows, tmp_path / "s", max_new_tokens=5, batch_size=1, progress=False)
+    as_dict = lambda ds: {r["id"]: r["input_ids"] for r in ds}  # noqa: E731
+    assert as_dict(batched) == as_dict(single)
+
+
+def test_response_stops_after_first_eos_which_is_kept(tmp_path):
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = prompts(4)
+    free = generate_distillation_data(model, tokenizer, rows, tmp_path / "free", max_new_tokens=8, batch_size=4, progress=False)
+    first = free[0]
+    response = first["input_ids"][first["response_start"]:]
+    # Declare a token the model emits at step j >= 1 (first occurrence) to be EOS, then regenerate.
+    j = next(j for j in range(1, len(response)) if response[j] not in response[:j] and response[j] != PAD)
+    model.generation_config.eos_token_id = response[j]
+    stopped = generate_distillation_data(model, tokenizer, rows, tmp_path / "eos", max_new_tokens=8, batch_size=4, progress=False)
+    by_id = {r["id"]: r for r in stopped}
+    row = by_id[first["id"]]
+    assert row["input_ids"][row["response_start"]:] == response[: j + 1]
+    assert row["n_response"] == j + 1
+    eos_ids = set(read_meta(tmp_path / "eos")["eos_token_ids"])
+    assert eos_ids == {EOS, response[j]}
+    for r in stopped:
+        resp = r["input_ids"][r["response_start"]:]
+        # No padding and nothing after the first EOS; without EOS the response ran to max_new_tokens.
+        assert not any(t in eos_ids for t in resp[:-1])
+        assert resp[-1] in eos_ids or len(resp) == 8
+
+
+def test_cut_after_eos():
+    assert cut_after_eos([5, 6, 3, 0, 0], {3}) == [5, 6, 3]
+    assert cut_after_eos([5, 6, 7], {3}) == [5, 6, 7]
+    assert cut_after_eos([3, 3], {3, 9}) == [3]
+
+
+def test_sampling_is_reproducible(tmp_path):
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = prompts(4)
+    kw = dict(max_new_tokens=6, batch_size=2, temperature=1.0, seed=3, progress=False)
+    a = generate_distillation_data(model, tokenizer, rows, tmp_path / "a", **kw)
+    b = generate_distillation_data(model, tokenizer, rows, tmp_path / "b", **kw)
+    c = generate_distillation_data(model, tokenizer, rows, tmp_path / "c", **{**kw, "seed": 4})
+    assert a["input_ids"] == b["input_ids"]
+    assert a["input_ids"] != c["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------- resuming
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+def count_generate_calls(monkeypatch, model, *, fail_on: int | None = None) -> list[int]:
+    """Record the batch size of every generate call; raise on call number ``fail_on`` (1-based)."""
+    calls, original = [], model.generate
+
+    def generate(**kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        if fail_on is not None and len(calls) == fail_on:
+            raise Interrupted("killed mid-shard")
+        return original(**kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    return calls
+
+
+def test_interrupted_run_resumes_without_duplicates(tmp_path, monkeypatch):
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows, out = prompts(6), tmp_path / "d"
+    kw = dict(max_new_tokens=5, batch_size=2, shard_size=1, progress=False)
+    reference = generate_distillation_data(model, tokenizer, rows, tmp_path / "ref", **kw)
+
+    calls = count_generate_calls(monkeypatch, model, fail_on=2)
+    with pytest.raises(Interrupted):
+        generate_distillation_data(model, tokenizer, rows, out, **kw)
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "shard-00000"]  # no half-written shard
+    assert len(load_distillation_data(out)) == 2
+    (out / ".tmp-shard-00001-999").mkdir()  # what a SIGKILL during save_to_disk leaves behind
+
+    monkeypatch.undo()
+    calls = count_generate_calls(monkeypatch, model)
+    resumed = generate_distillation_data(model, tokenizer, rows, out, **kw)
+    assert calls == [2, 2]  # only the 4 missing prompts
+    assert sorted(resumed["id"]) == sorted(r["id"] for r in rows)
+    assert not any(p.name.startswith(".tmp-") for p in out.iterdir())
+    # Same pending set -> same batches -> the same rows an uninterrupted run stores.
+    assert {r["id"]: r["input_ids"] for r in resumed} == {r["id"]: r["input_ids"] for r in reference}
+
+    calls.clear()
+    again = generate_distillation_data(model, tokenizer, rows, out, **kw)
+    assert calls == [] and len(again) == 6
+
+
+def test_growing_prompt_list_generates_only_new_ids(tmp_path, monkeypatch):
+    model, tokenizer = make_model(), make_tokenizer(chat=False)
+    kw = dict(max_new_tokens=4, batch_size=4, progress=False)
+    generate_distillation_data(model, tokenizer, prompts(3), tmp_path / "d", **kw)
+    calls = count_generate_calls(monkeypatch, model)
+    ds = generate_distillation_data(model, tokenizer, prompts(6), tmp_path / "d", **kw)
+    assert calls == [3]
+    assert sorted(ds["id"]) == sorted(r["id"] for r in prompts(6))
+
+
+def test_different_settings_are_refused(tmp_path):
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows, out = prompts(2), tmp_path / "d"
+    generate_distillation_data(model, tokenizer, rows, out, max_new_tokens=4, progress=False, model_name="tiny")
+    meta = read_meta(out)
+    assert (meta["model"], meta["max_new_tokens"], meta["temperature"]) == ("tiny", 4, 0.0)
+    for change in [dict(max_new_tokens=5), dict(temperature=0.7), dict(model_name="other")]:
+        settings = dict(max_new_tokens=4, model_name="tiny", progress=False) | change
+        with pytest.raises(ValueError, match="was made with") as info:
+            generate_distillation_data(model, tokenizer, rows, out, **settings)
+        assert "\n" not in str(info.value)
+
+
+def test_foreign_directory_is_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        generate_distillation_data(make_model(), make_tokenizer(chat=True), prompts(1), tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match="no meta.json"):
+        load_distillation_data(tmp_path / "d")
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_arguments_have_documented_defaults():
+    import argparse
+
+    args = add_data_args(argparse.ArgumentParser()).parse_args(["--model", "m", "--prompts", "p.jsonl", "--out", "o"])
+    assert (args.max_new_tokens, args.batch_size, args.temperature, args.max_prompts, args.threads) == (128, 64, 0.0, None, None)
+
+
+def test_cli_reports_bad_prompts_in_one_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"id": "a"}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "selfspec.training.data", "--model", "smollm2-135m", "--prompts", str(bad), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {bad}:1: no prompt (need a non-empty string under \"prompt\"): fix or drop that row"]
