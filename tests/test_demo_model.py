@@ -1,0 +1,58 @@
+"""Greedy exactness on the REAL demo model (SmolLM2-135M-Instruct), against transformers' generate.
+
+Untrained heads: acceptance is low, but the output must still be identical token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.cli import encode_prompt
+from selfspec.drafters.draft_model import truncated_copy
+from selfspec.model import SelfSpeculativeModel, untrained_heads
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "List three tips for writing clear emails.",
+]
+N_NEW = 64
+
+pytestmark = pytest.mark.demo
+
+
+@pytest.fixture(scope="module")
+def references(demo):
+    out = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(demo.tokenizer, prompt, chat=True)
+        ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
+                                  pad_token_id=demo.tokenizer.eos_token_id)
+        out.append((ids, ref))
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["none", "medusa", "early-exit", "draft-model"])
+def test_demo_greedy_identical_to_transformers(demo, references, drafter):
+    heads = untrained_heads(drafter, demo.model, demo.name) if drafter in ("medusa", "early-exit") else None
+    draft = truncated_copy(demo.model, 4) if drafter == "draft-model" else None
+    sm = SelfSpeculativeModel(demo.model, demo.tokenizer, drafter_name=drafter, heads=heads, tree="auto",
+                              name=demo.name, draft_model=draft)
+    for ids, ref in references:
+        out = sm.generate(ids, max_new_tokens=N_NEW, do_sample=False)
+        assert out.shape == ref.shape and torch.equal(out, ref), f"{drafter} diverged from transformers' greedy"
+        stats = sm.last_stats
+        assert stats.new_tokens == ref.shape[1] - ids.shape[1]
+        assert stats.tau >= 1.0
+
+
+def test_demo_loading_is_cached_and_fast(demo):
+    import time
+
+    from selfspec.loading import load_model
+
+    t = time.perf_counter()
+    again = load_model("smollm2-135m")
+    assert time.perf_counter() - t < 20
+    assert again.model.config.num_hidden_layers == 30 and again.model.config.hidden_size == 576

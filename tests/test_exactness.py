@@ -1,0 +1,153 @@
+"""The master test: speculative greedy == plain greedy, token for token, whatever the draft proposes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_model
+from selfspec.backbone import Backbone
+from selfspec.decode import decode
+from selfspec.drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
+from selfspec.drafters.base import DecodeState, Draft, Drafter
+from selfspec.model import untrained_heads
+from selfspec.sampling import SamplingParams
+from selfspec.tree import MEDUSA_DEFAULT, build_tree, chain, chain_with_siblings
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
+GREEDY = SamplingParams()
+N_NEW = 40
+
+
+class OracleDrafter(Drafter):
+    """Proposes plain greedy's own continuation, corrupted at draft position ``bad`` (0-based depth - 1).
+
+    Chain: node at depth d holds the true token d, except depth bad + 1, which holds a wrong one.
+    Tree: rank-0 children hold the same as the chain; at depth bad + 1 the *true* token moves to
+    rank 1, so the verifier must take a non-first branch and keep going below it.
+    """
+
+    def __init__(self, reference: list[int], tree_paths, bad: int, vocab: int):
+        self.reference, self.bad, self.vocab = reference, bad, vocab
+        self.tree = build_tree(tree_paths)
+
+    def draft(self, state: DecodeState) -> Draft:
+        start = len(state.ids)
+        truth = self.reference[start:] + [0] * (self.tree.depth + 1)
+        tokens = [state.ids[-1]]
+        for path in self.tree.paths:
+            d, rank = len(path), path[-1]
+            true, wrong = truth[d - 1], (truth[d - 1] + 1 + rank) % self.vocab
+            if d - 1 == self.bad:
+                tokens.append(true if rank == 1 else wrong)
+            else:
+                tokens.append(true if rank == 0 else wrong)
+        return Draft(tree=self.tree, tokens=torch.tensor(tokens))
+
+
+def _all_true(path, bad: int) -> bool:
+    """Whether every node on ``path`` holds the true token under OracleDrafter's layout."""
+    return all(rank == (1 if depth == bad else 0) for depth, rank in enumerate(path))
+
+
+def _prompt(vocab: int, seed: int, n: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, n), generator=g)
+
+
+def _run(model, drafter, ids, n=N_NEW):
+    new, stats = decode(Backbone(model), drafter, ids[0], params=GREEDY, max_new_tokens=n, eos_token_ids=set(),
+                        generator=None)
+    return torch.cat([ids, torch.tensor([new])], dim=1), stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_oracle_chain_and_tree_every_corruption(arch):
+    model = tiny_model(arch)
+    ids = _prompt(model.config.vocab_size, seed=1)
+    ref = hf_greedy(model, ids, N_NEW)
+    assert ref.shape[1] == ids.shape[1] + N_NEW
+    reference = ref[0].tolist()
+    k = 4
+    trees = {"chain": chain(k), "tree": ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
+                                         (0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1))}
+    for kind, paths in trees.items():
+        for bad in range(k + 1):  # bad == k: nothing corrupted, every draft is right
+            drafter = OracleDrafter(reference, paths, bad, model.config.vocab_size)
+            out, stats = _run(model, drafter, ids)
+            assert torch.equal(out, ref), f"{arch} {kind} corrupt@{bad}: diverged"
+            # The accepted length must be exactly what the corruption allows: proves the tree was walked.
+            expected = max([len(p) for p in paths if _all_true(p, bad)], default=0)
+            assert max(i for i, n in enumerate(stats.accepted_hist) if n) == expected, (kind, bad, stats.accepted_hist)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_untrained_drafters_match_plain_greedy(arch):
+    model = tiny_model(arch)
+    bb = Backbone(model)
+    for seed in range(2):
+        ids = _prompt(model.config.vocab_size, seed=seed + 10)
+        ref = hf_greedy(model, ids, N_NEW)
+        drafters = [
+            NoDrafter(bb.device),
+            MedusaDrafter(bb, untrained_heads("medusa", model, "t"), build_tree(MEDUSA_DEFAULT)),
+            EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=2), build_tree(chain(4))),
+            EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=1),
+                             build_tree(chain_with_siblings(3, 3))),
+            DraftModelDrafter(tiny_model(arch, seed=5), build_tree(chain(3)), vocab_size=bb.vocab_size),
+        ]
+        for drafter in drafters:
+            out, _ = _run(model, drafter, ids)
+            assert torch.equal(out, ref), f"{arch} {drafter.name} diverged from plain greedy"
+
+
+def _identity_upper_layers(model, exit_layer: int, scale: float) -> None:
+    """Scale the residual writes of layers >= exit_layer: at 0 they are the identity, so plain early
+    exit *is* the full model and every draft is accepted; small scales give high but partial acceptance."""
+    with torch.no_grad():
+        for layer in model.model.layers[exit_layer:]:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.3])
+@pytest.mark.parametrize("tree", [chain(4), chain_with_siblings(4, 2)])
+def test_early_exit_kv_reuse_under_high_acceptance(scale, tree):
+    """Deep acceptance exercises the reuse of the draft's layer < E KV in verification."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    _identity_upper_layers(model, 3, scale)
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=3)
+    ref = hf_greedy(model, ids, N_NEW)
+    drafter = EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=3), build_tree(tree))
+    out, stats = _run(model, drafter, ids)
+    assert torch.equal(out, ref)
+    if scale == 0.0:
+        assert stats.tau > 4.5  # every chain accepted: 5 tokens per step (bar the last, cut by max_new_tokens)
+    assert stats.steps < N_NEW
+
+
+def test_draft_model_identical_to_target_accepts_everything():
+    model = tiny_model("qwen2")
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=4)
+    ref = hf_greedy(model, ids, N_NEW)
+    out, stats = _run(model, DraftModelDrafter(tiny_model("qwen2"), build_tree(chain(5)), vocab_size=bb.vocab_size), ids)
+    assert torch.equal(out, ref)
+    assert stats.tau > 5.5
+
+
+def test_eos_and_max_new_tokens_are_respected():
+    model = tiny_model("llama")
+    ids = _prompt(model.config.vocab_size, seed=2)
+    ref = hf_greedy(model, ids, 30)[0, ids.shape[1]:].tolist()
+    eos = ref[12]
+    first = ref.index(eos)
+    drafter = OracleDrafter(ref and hf_greedy(model, ids, 30)[0].tolist(), chain(4), 4, model.config.vocab_size)
+    new, _ = decode(Backbone(model), drafter, ids[0], params=GREEDY, max_new_tokens=30, eos_token_ids={eos},
+                    generator=None)
+    assert new == ref[: first + 1]
+    for limit in (1, 2, 5, 7):
+        new, _ = decode(Backbone(model), drafter, ids[0], params=GREEDY, max_new_tokens=limit, eos_token_ids=set(),
+                        generator=None)
+        assert new == ref[:limit]

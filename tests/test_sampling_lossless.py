@@ -1,0 +1,177 @@
+"""Sampling is lossless: speculative sampling reproduces the target's distribution exactly.
+
+A toy first-order Markov "target" P and a deliberately different "draft" Q over a small
+vocabulary. Sequences of L tokens are produced by repeated speculative steps (chain or tree),
+and their empirical distribution is compared with the exact one by a chi-square statistic.
+A planted bug (resampling from p instead of the residual) must fail the same check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from selfspec.sampling import SamplingParams, probs_from_logits
+from selfspec.tree import build_tree, chain
+from selfspec.verify import rejection_accept_chain, rejection_accept_tree
+
+V, L, N = 5, 3, 12000
+
+
+def _toy(seed: int, params: SamplingParams):
+    g = torch.Generator().manual_seed(seed)
+    p_logits = torch.randn(V, V, generator=g) * 1.5
+    q_logits = torch.randn(V, V, generator=g) * 1.5  # unrelated to p: plenty of rejections
+    return probs_from_logits(p_logits, params), probs_from_logits(q_logits, params)
+
+
+def _exact(P: torch.Tensor, root: int) -> dict[tuple, float]:
+    out = {}
+    for seq in itertools.product(range(V), repeat=L):
+        prob, prev = 1.0, root
+        for t in seq:
+            prob *= float(P[prev, t])
+            prev = t
+        out[seq] = prob
+    return out
+
+
+def _chi2(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> tuple[float, int]:
+    """Chi-square over cells with expected count >= 5 (rest pooled) -> (statistic, dof)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for seq, p in exact.items():
+        e, o = n * p, counts.get(seq, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_obs += o
+            pooled_exp += e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    # A token with zero target mass (top-k/top-p) must never appear.
+    impossible = sum(c for s, c in counts.items() if exact[s] == 0)
+    assert impossible == 0, f"{impossible} samples had zero target probability"
+    return stat, cells - 1
+
+
+def _assert_matches(counts, exact, n):
+    stat, dof = _chi2(counts, exact, n)
+    # chi2(dof) has mean dof and sd sqrt(2 dof): 6 sd is a false-alarm rate far below 1e-6.
+    assert stat < dof + 6 * math.sqrt(2 * dof), f"chi2={stat:.1f} with {dof} dof: not the target distribution"
+
+
+def _chain_sequences(P, Q, root, k, gen, *, accept=rejection_accept_chain):
+    counts = {}
+    for _ in range(N):
+        seq, prev = [], root
+        while len(seq) < L:
+            drafts, last = [], prev
+            for _ in range(k):
+                last = int(torch.multinomial(Q[last], 1, generator=gen))
+                drafts.append(last)
+            ctx = [prev] + drafts
+            p = P[ctx]                 # (k + 1, V): target after root and after each draft
+            q = Q[ctx[:-1]]            # (k, V): what each draft was drawn from
+            n, nxt = accept(p, q, torch.tensor(drafts), generator=gen)
+            seq.extend(drafts[:n] + [nxt])
+            prev = seq[-1]
+        key = tuple(seq[:L])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+PARAMS = [
+    SamplingParams(do_sample=True, temperature=1.0),
+    SamplingParams(do_sample=True, temperature=0.6),
+    SamplingParams(do_sample=True, temperature=1.4, top_p=0.8),
+    SamplingParams(do_sample=True, temperature=1.0, top_k=3),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.6", "t1.4-p0.8", "t1-k3"])
+def test_chain_rejection_sampling_is_lossless(params):
+    P, Q = _toy(0, params)
+    gen = torch.Generator().manual_seed(1)
+    _assert_matches(_chain_sequences(P, Q, 0, 2, gen), _exact(P, 0), N)
+
+
+def _buggy_chain(p, q, drafts, *, generator):
+    """Planted bug: on rejection resample from p instead of norm(max(0, p - q))."""
+    k = drafts.shape[0]
+    for j in range(k):
+        x = int(drafts[j])
+        if float(torch.rand((), generator=generator)) >= float(p[j, x] / q[j, x]):
+            return j, int(torch.multinomial(p[j], 1, generator=generator))
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def test_statistical_check_catches_a_planted_bug():
+    params = PARAMS[0]
+    P, Q = _toy(0, params)
+    gen = torch.Generator().manual_seed(1)
+    counts = _chain_sequences(P, Q, 0, 2, gen, accept=_buggy_chain)
+    stat, dof = _chi2(counts, _exact(P, 0), N)
+    assert stat > dof + 6 * math.sqrt(2 * dof)
+
+
+TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+
+
+def _tree_sequences(P, Q, root, gen):
+    """Each node's children are drawn without replacement from Q[node token], in rank order."""
+    tree = build_tree(TREE)
+    counts = {}
+    for _ in range(N):
+        seq, prev = [], root
+        while len(seq) < L:
+            tokens = [prev]
+            draws = {}
+            for i in range(1, tree.size):
+                parent = int(tree.parents[i])
+                if parent not in draws:
+                    width = len(tree.children[parent])
+                    draws[parent] = torch.multinomial(Q[tokens[parent]], width, replacement=False, generator=gen).tolist() \
+                        if int((Q[tokens[parent]] > 0).sum()) >= width else None
+                cand = draws[parent]
+                tokens.append(cand[int(tree.ranks[i])] if cand else tokens[parent])
+            tok = torch.tensor(tokens)
+            p, q = P[tok], Q[tok]
+            acc = rejection_accept_tree(tree, tok, p, q, torch.arange(tree.size), generator=gen)
+            seq.extend([tokens[i] for i in acc.path[1:]] + [acc.bonus])
+            prev = seq[-1]
+        key = tuple(seq[:L])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("params", PARAMS[:3], ids=["t1", "t0.6", "t1.4-p0.8"])
+def test_tree_rejection_sampling_is_lossless(params):
+    P, Q = _toy(2, params)
+    gen = torch.Generator().manual_seed(3)
+    _assert_matches(_tree_sequences(P, Q, 1, gen), _exact(P, 1), N)
+
+
+def test_tree_with_single_children_equals_chain_rule():
+    """A chain is a tree with one child per node: both rules must give the same draws from the same seed."""
+    params = PARAMS[0]
+    P, Q = _toy(4, params)
+    tree = build_tree(chain(3))
+    for seed in range(50):
+        g = torch.Generator().manual_seed(100 + seed)
+        drafts = [int(torch.multinomial(Q[0], 1, generator=g))]
+        for _ in range(2):
+            drafts.append(int(torch.multinomial(Q[drafts[-1]], 1, generator=g)))
+        ctx = torch.tensor([0] + drafts)
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        n, nxt = rejection_accept_chain(P[ctx], Q[ctx[:-1]], torch.tensor(drafts), generator=g1)
+        acc = rejection_accept_tree(tree, ctx, P[ctx], Q[ctx], torch.arange(4), generator=g2)
+        # Same uniforms in the same order up to the first rejection -> same accepted length; when all
+        # are accepted both then draw the bonus from p_k with the generator in the same state.
+        assert acc.num_accepted == n
+        if n == 3:
+            assert acc.bonus == nxt

@@ -1,0 +1,130 @@
+"""Unit tests on hand-built inputs: tree builder, cache compaction, greedy acceptance, sampling helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from selfspec import cache as kv
+from selfspec.sampling import SamplingParams, pick_candidates, probs_from_logits
+from selfspec.tree import build_tree, chain, chain_with_siblings, parse_tree
+from selfspec.verify import greedy_accept, rejection_accept_chain
+
+
+def test_tree_builder_shapes_mask_positions():
+    t = build_tree(((0,), (1,), (0, 0), (1, 0)))
+    assert t.size == 5 and t.depth == 2
+    assert t.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert t.depths.tolist() == [0, 1, 1, 2, 2]
+    assert t.ranks.tolist() == [0, 0, 1, 0, 0]
+    assert t.children == ((1, 2), (3,), (4,), (), ())
+    assert t.node_paths[4] == (0, 2, 4)
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
+    assert torch.equal(t.ancestors, expect)
+    mask = t.attention_mask(3, dtype=torch.float32)
+    assert mask.shape == (1, 1, 5, 8)
+    assert (mask[0, 0, :, :3] == 0).all()                       # everyone sees the past
+    assert torch.equal(mask[0, 0, :, 3:] == 0, expect)           # and its ancestors only
+    assert t.position_ids(3).tolist() == [[3, 4, 4, 5, 5]]
+    assert t.width_at(1) == 2 and t.width_at(2) == 1
+    assert build_tree(((0,), (1,), (0, 0), (1, 0))) is t          # cached on its shape
+
+
+def test_tree_builder_rejects_bad_paths():
+    with pytest.raises(ValueError, match="before its parent"):
+        build_tree(((0, 0), (0,)))
+    with pytest.raises(ValueError, match="twice"):
+        build_tree(((0,), (0,)))
+    with pytest.raises(ValueError, match="unknown tree"):
+        parse_tree("zigzag", default=chain(2))
+
+
+def test_named_trees():
+    assert parse_tree("chain-3", default=()) == ((0,), (0, 0), (0, 0, 0))
+    t = parse_tree("chain-2-w3", default=())
+    assert t == ((0,), (0, 0), (1,), (2,), (0, 1), (0, 2))
+    assert chain_with_siblings(2, 3) == t
+    assert build_tree(chain(3)).is_chain and not build_tree(t).is_chain
+
+
+def _cache(n_layers=2, length=6):
+    c = DynamicCache()
+    for layer in range(n_layers):
+        k = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1).expand(1, 2, length, 3) + 100 * layer
+        c.update(k.clone(), (-k).clone(), layer)
+    return c
+
+
+def test_cache_truncate_and_keep():
+    c = _cache()
+    kv.truncate(c, 4)
+    assert kv.seq_len(c, 0) == kv.seq_len(c, 1) == 4
+    c = _cache()
+    kv.keep(c, 2, torch.tensor([0, 2, 3]))   # keep positions 0, 1 | 2, 4, 5
+    for layer in range(2):
+        assert c.layers[layer].keys[0, 0, :, 0].tolist() == [p + 100 * layer for p in (0, 1, 2, 4, 5)]
+        assert c.layers[layer].values[0, 1, :, 2].tolist() == [-(p + 100 * layer) for p in (0, 1, 2, 4, 5)]
+    c = _cache()
+    kv.keep(c, 2, torch.tensor([0, 1]))      # a chain prefix is a plain truncation
+    assert c.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_cache_keep_with_layers_at_different_lengths():
+    """Early exit leaves layers < E longer than the rest mid-step; compaction must handle both."""
+    c = _cache(length=6)
+    kv.truncate(c, 6)
+    c.layers[1].keys = c.layers[1].keys[..., :4, :]
+    c.layers[1].values = c.layers[1].values[..., :4, :]
+    kv.keep(c, 1, torch.tensor([0, 2]))
+    assert c.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 3]
+    assert c.layers[1].keys[0, 0, :, 0].tolist() == [100, 101, 103]
+
+
+def test_greedy_accept_hand_built():
+    t = build_tree(((0,), (1,), (0, 0), (1, 0), (1, 0, 0)))
+    #             node:  0   1   2   3   4   5
+    tokens = torch.tensor([9, 5, 6, 7, 8, 4])
+    # Target after root says 6 (node 2 ok, node 1 wrong); after node 2 says 8 (node 4 ok);
+    # after node 4 says 4 (node 5 ok); after node 5 says 3 -> bonus.
+    argmax = torch.tensor([6, 7, 8, 0, 4, 3])
+    acc = greedy_accept(t, tokens, argmax)
+    assert acc.path == (0, 2, 4, 5) and acc.bonus == 3 and acc.num_accepted == 3
+    # Nothing matches: root only, bonus = target after the root.
+    acc = greedy_accept(t, tokens, torch.tensor([1, 1, 1, 1, 1, 1]))
+    assert acc.path == (0,) and acc.bonus == 1
+
+
+def test_rejection_chain_hand_built():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    # Draft 1 (token 1) has p = q = 1: always accepted. Draft 2 (token 1) has p = 0: always rejected,
+    # and the residual max(0, p - q) puts all mass on token 2.
+    n, nxt = rejection_accept_chain(p, q, torch.tensor([1, 1]), generator=g)
+    assert (n, nxt) == (1, 2)
+    n, nxt = rejection_accept_chain(p, q[:1], torch.tensor([1]), generator=g)
+    assert (n, nxt) == (1, 2)  # all accepted: bonus from p after the last draft
+
+
+def test_probs_from_logits_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    p = probs_from_logits(logits, SamplingParams(do_sample=True, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
+    p = probs_from_logits(logits, SamplingParams(do_sample=True, top_p=0.5))
+    assert p[0, 0] == 1.0  # the top token alone holds > 0.5 of the mass
+    p = probs_from_logits(logits, SamplingParams(do_sample=True, temperature=0.5))
+    assert torch.allclose(p, (logits / 0.5).softmax(-1))
+    with pytest.raises(ValueError):
+        SamplingParams(do_sample=True, temperature=0.0)
+
+
+def test_pick_candidates_without_replacement_and_padding():
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(0)
+    cand = pick_candidates(probs, 3, params=SamplingParams(do_sample=True), generator=g)
+    assert cand.shape == (2, 3)
+    assert set(cand[0, :2].tolist()) == {0, 1} and cand[0, 2] == cand[0, 1]   # padded by repetition
+    assert len(set(cand[1].tolist())) == 3                                     # no repeats
+    greedy = pick_candidates(torch.tensor([[1.0, 3.0, 2.0]]), 2, params=SamplingParams(), generator=None)
+    assert greedy.tolist() == [[1, 2]]
