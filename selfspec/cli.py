@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
     add_export(sub)
+    from .bench import add_bench_args, run_bench_cli
+
+    p = sub.add_parser("bench", help="compare decoding methods side by side against transformers' greedy generate")
+    add_bench_args(p)
+    p.set_defaults(func=run_bench_cli)
     try:
         from .training import data as training_data
     except ImportError:  # the training extras are part of the package; this only guards partial installs

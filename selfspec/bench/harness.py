@@ -1,0 +1,250 @@
+"""Side-by-side comparison of decoding methods, in one process, interleaved per prompt.
+
+Protocol (the rules in DESIGN.md): fixed thread count; one warm-up generation per method; for
+each prompt every method runs once, in an order rotated from prompt to prompt so machine drift
+hits all alike; CUDA synchronised before clocks are read; same dtype for all. For greedy runs
+every method's tokens are compared with ``hf-greedy``'s: a divergence at a position where
+hf-greedy's top-2 logit margin is < 1e-3 counts as a numeric tie (reported apart); any other
+divergence makes the method not ``identical``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..backbone import Backbone
+from ..decode import DecodeStats
+
+BASELINE = "hf-greedy"
+ALL_METHODS = ("hf-greedy", "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
+               "selfspec-ar", "selfspec-early-exit", "selfspec-medusa", "selfspec-draft-model")
+TIE_MARGIN = 1e-3
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    wall_s: float
+    stats: DecodeStats | None = None   # selfspec methods only
+    peak_mb: float | None = None
+
+
+@dataclass
+class Method:
+    """A named way to generate: ``fn(ids (1, n), max_new_tokens, generator) -> (new tokens, stats|None)``."""
+
+    name: str
+    fn: Callable
+    runs: dict[str, Run] = field(default_factory=dict)
+
+
+def load_prompts(path: str | Path, *, limit: int | None = None) -> list[Prompt]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompts file {path} not found: give a JSONL file with one {{\"prompt\": ...}} per line")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i + 1} is not valid JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}:{i + 1} has no \"prompt\" string")
+        prompts.append(Prompt(id=str(row.get("id", i)), category=str(row.get("category", "all")), text=row["prompt"]))
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def interleaved_order(methods: list[str], prompt_index: int) -> list[str]:
+    """Rotate the method order by one per prompt: each method runs first, second, ... equally often."""
+    k = prompt_index % len(methods)
+    return methods[k:] + methods[:k]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 resets the process's peak RSS (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def top2_margin(model, ids: torch.Tensor, prefix: list[int]) -> float:
+    """hf-greedy's top-2 logit margin for the token after ``ids + prefix`` (one extra forward)."""
+    x = torch.cat([ids, torch.tensor([prefix], dtype=ids.dtype, device=ids.device)], dim=1)
+    with torch.no_grad():
+        logits = model(x).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+@dataclass
+class Comparison:
+    identical: bool
+    diverged: list[str]   # prompt ids with a real divergence
+    ties: list[str]       # prompt ids whose only divergence is a numeric tie
+
+
+def compare_to_baseline(baseline: dict[str, Run], method: dict[str, Run], margin_fn) -> Comparison:
+    """Token-by-token check; ``margin_fn(prompt_id, position) -> float`` gives the baseline's top-2 margin."""
+    diverged, ties = [], []
+    for pid, ref in baseline.items():
+        got = method[pid].tokens
+        if got == ref.tokens:
+            continue
+        pos = next((i for i, (a, b) in enumerate(zip(got, ref.tokens)) if a != b), min(len(got), len(ref.tokens)))
+        if pos < min(len(got), len(ref.tokens)) and margin_fn(pid, pos) < TIE_MARGIN:
+            ties.append(pid)
+        else:
+            diverged.append(pid)
+    return Comparison(identical=not diverged, diverged=diverged, ties=ties)
+
+
+def run_bench(
+    methods: list[Method],
+    prompts: list[Prompt],
+    encode: Callable[[str], torch.Tensor],
+    *,
+    model,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Run every method on every prompt (interleaved) and return the results dict (see ``summarise``)."""
+    from tqdm.auto import tqdm
+
+    device = Backbone(model).device
+    names = [m.name for m in methods]
+    if BASELINE not in names:
+        raise ValueError(f"the methods must include {BASELINE!r}: every speedup is divided by it")
+    by_name = {m.name: m for m in methods}
+    encoded = {p.id: encode(p.text).to(device) for p in prompts}
+
+    def generator(pid: str) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed + zlib.crc32(pid.encode()) % 10_000)
+
+    warm = encoded[prompts[0].id]
+    for m in methods:  # warm-up: kernels, allocator, caches
+        m.fn(warm, min(16, max_new_tokens), generator("warmup"))
+
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress, unit="run")
+    for i, p in enumerate(prompts):
+        for name in interleaved_order(names, i):
+            m = by_name[name]
+            _reset_peak(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            tokens, stats = m.fn(encoded[p.id], max_new_tokens, generator(p.id))
+            _sync(device)
+            wall = time.perf_counter() - t0
+            m.runs[p.id] = Run(tokens=list(tokens), wall_s=wall, stats=stats, peak_mb=_peak_mb(device))
+            bar.update(1)
+    bar.close()
+
+    greedy = temperature <= 0
+    margins: dict[tuple[str, int], float] = {}
+
+    def margin(pid: str, pos: int) -> float:
+        if (pid, pos) not in margins:
+            margins[(pid, pos)] = top2_margin(model, encoded[pid], by_name[BASELINE].runs[pid].tokens[:pos])
+        return margins[(pid, pos)]
+
+    comparisons = {
+        m.name: compare_to_baseline(by_name[BASELINE].runs, m.runs, margin) for m in methods
+    } if greedy else {}
+    return summarise(methods, prompts, comparisons)
+
+
+def _agg(runs: list[Run]) -> dict:
+    tokens = sum(len(r.tokens) for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    out = {"n_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0}
+    stats = [r.stats for r in runs if r.stats is not None]
+    if stats:
+        steps = sum(s.steps for s in stats)
+        committed = sum((a + 1) * n for s in stats for a, n in enumerate(s.accepted_hist))
+        out["tau"] = committed / steps if steps else 1.0
+        depth = max(len(s.drafted_by_depth) for s in stats)
+        drafted = [sum(s.drafted_by_depth[d] for s in stats if d < len(s.drafted_by_depth)) for d in range(depth)]
+        accepted = [sum(s.accepted_by_depth[d] for s in stats if d < len(s.accepted_by_depth)) for d in range(depth)]
+        out["acceptance_by_depth"] = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+        busy = sum(s.draft_s + s.verify_s + s.prefill_s for s in stats)
+        out["draft_share"] = sum(s.draft_s for s in stats) / busy if busy else 0.0
+        out["verify_share"] = sum(s.verify_s for s in stats) / busy if busy else 0.0
+        out["prefill_share"] = sum(s.prefill_s for s in stats) / busy if busy else 0.0
+    return out
+
+
+def summarise(methods: list[Method], prompts: list[Prompt], comparisons: dict[str, Comparison]) -> dict:
+    base = next(m for m in methods if m.name == BASELINE)
+    categories = sorted({p.category for p in prompts})
+    results = {}
+    base_all = _agg(list(base.runs.values()))
+    for m in methods:
+        runs = [m.runs[p.id] for p in prompts]
+        row = _agg(runs)
+        row["speedup"] = row["tokens_per_s"] / base_all["tokens_per_s"] if base_all["tokens_per_s"] else None
+        # Median over prompts of the per-prompt speedup: robust to a few long or noisy prompts.
+        per_prompt = [(len(m.runs[p.id].tokens) / m.runs[p.id].wall_s) /
+                      (len(base.runs[p.id].tokens) / base.runs[p.id].wall_s) for p in prompts
+                      if m.runs[p.id].wall_s > 0 and base.runs[p.id].wall_s > 0 and base.runs[p.id].tokens]
+        row["speedup_median"] = statistics.median(per_prompt) if per_prompt else None
+        row.setdefault("tau", 1.0 if m.name in (BASELINE, "selfspec-ar") else None)
+        peaks = [r.peak_mb for r in runs if r.peak_mb is not None]
+        row["peak_memory_mb"] = max(peaks) if peaks else None
+        cmp = comparisons.get(m.name)
+        row["identical"] = None if cmp is None else cmp.identical
+        row["diverged_prompts"] = None if cmp is None else cmp.diverged
+        row["numeric_ties"] = None if cmp is None else len(cmp.ties)
+        row["per_category"] = {}
+        for c in categories:
+            ids = [p.id for p in prompts if p.category == c]
+            cat = _agg([m.runs[i] for i in ids])
+            cat_base = _agg([base.runs[i] for i in ids])
+            row["per_category"][c] = {
+                "tokens_per_s": cat["tokens_per_s"],
+                "speedup": cat["tokens_per_s"] / cat_base["tokens_per_s"] if cat_base["tokens_per_s"] else None,
+                "tau": cat.get("tau", row["tau"] if row["tau"] == 1.0 else None),
+            }
+        results[m.name] = row
+    return results
