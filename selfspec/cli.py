@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_export(sub)
     from .bench import add_bench_args, run_bench_cli
+    from .training.train import add_train_heads_args, run_train_heads
+
+    p = sub.add_parser("train-heads", help="fit Medusa heads or the early-exit head by self-distillation")
+    add_train_heads_args(p)
+    p.set_defaults(func=lambda a: 130 if run_train_heads(a).interrupted else 0)
 
     p = sub.add_parser("bench", help="compare decoding methods side by side against transformers' greedy generate")
     add_bench_args(p)

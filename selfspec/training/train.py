@@ -1,0 +1,565 @@
+"""Fit Medusa heads or an exit head to the target's own distributions (self-distillation).
+
+The backbone is frozen. Per micro-batch: one no-grad forward of the target over the padded
+sequences gives the final post-norm hidden states (Medusa input, and the teacher) and, for early
+exit, the hidden states after layer E. Only a window around each response is kept (the rows that
+carry signal), the teacher logits are computed on the draft vocabulary alone
+(``F.linear(h, lm_head.weight[vocab])``: full-vocabulary logits are never built), and the heads
+run forward + backward on that window. Exit-head output goes through the frozen final norm and
+the same restricted LM head, exactly as the drafter uses it.
+
+Output ``out/``: a heads directory (``selfspec.heads.save_heads``: config.json + model.safetensors,
+with ``draft_vocab``) refreshed every ``save_every`` steps and at the end, plus ``trainer_state.pt``
+(heads weights, optimizer, scheduler, step, RNG, eval history), written to a temporary file and
+``os.replace``d, so ``resume=True`` continues from the last one and a Ctrl-C never leaves a torn
+checkpoint. Batches are a pure function of (seed, step), so a resumed run sees the batches an
+uninterrupted run would have.
+
+CLI: ``selfspec train-heads --model M --kind medusa --data DIR --out DIR`` (or ``--prompts FILE``
+to generate the data into ``DIR/data`` first); ``--config recipe.yaml`` supplies defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from ..backbone import Backbone
+from ..heads import KINDS, Heads, save_heads
+from .losses import HeadLoss, exit_loss, medusa_loss
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Every training default; the CLI flags are derived from these fields."""
+
+    kind: str = "medusa"              # medusa | early-exit
+    num_heads: int = 4                # medusa
+    exit_layer: int | None = None     # early-exit; None = num_layers // 2
+    steps: int = 2000                 # optimizer steps
+    lr: float = 1e-3
+    warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
+    weight_decay: float = 0.0
+    batch_size: int = 8               # sequences per micro-batch (per process)
+    grad_accum: int = 1               # micro-batches per optimizer step
+    max_len: int = 1024               # longer sequences keep their last max_len tokens
+    draft_vocab_size: int = 8192      # 0 = the full vocabulary
+    head_weight_base: float = 0.8     # medusa: head k's loss is scaled by base**k
+    hard_weight: float = 0.0          # extra cross-entropy on the tokens the target actually produced
+    eval_fraction: float = 0.05       # held-out share of the sequences
+    eval_every: int = 200
+    save_every: int = 500
+    seed: int = 0
+    lora: int = 0                     # Medusa-2 LoRA rank on the backbone; not implemented yet
+    out: str = "heads-out"
+
+
+@dataclass(frozen=True)
+class Sequence:
+    ids: torch.Tensor        # (L,) int64: prompt then response
+    response_start: int
+
+
+@dataclass
+class Batch:
+    """One padded micro-batch and the window of rows that carry training signal."""
+
+    input_ids: torch.Tensor       # (B, L) right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    window: torch.Tensor          # (B, W) positions (into L) the heads read
+    mask: torch.Tensor            # (B, W) bool: the target row at that position is a response row
+    next_tokens: torch.Tensor     # (B, W) the token that followed each window position
+
+
+@dataclass
+class EvalResult:
+    step: int
+    loss: float
+    top1: list[float]  # per head
+    top5: list[float]
+    tokens: int
+
+    def line(self) -> str:
+        acc = " ".join(f"{a:.1%}/{b:.1%}" for a, b in zip(self.top1, self.top5))
+        return f"eval step {self.step}: loss {self.loss:.4f}, top-1/top-5 by head: {acc} ({self.tokens} positions)"
+
+
+@dataclass
+class TrainResult:
+    out: str
+    step: int
+    tokens_seen: int
+    wall_s: float
+    evals: list[EvalResult] = field(default_factory=list)
+    interrupted: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def frequent_vocab(dataset, size: int, *, vocab_size: int, eos_token_ids=()) -> torch.Tensor | None:
+    """The ``size`` most frequent response token ids (EOS always included), sorted; None = full vocabulary.
+
+    A draft vocabulary: the heads score only these rows of the LM head, which makes their training
+    and drafting much cheaper (the full LM head dominates both), at the cost of never proposing a
+    rare token. Ties go to the smaller id, so the result is a pure function of the data.
+    """
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, start in zip(dataset["input_ids"], dataset["response_start"]):
+        counts += torch.bincount(torch.as_tensor(ids[start:], dtype=torch.int64), minlength=vocab_size)
+    forced = sorted({int(e) for e in eos_token_ids if 0 <= int(e) < vocab_size})
+    counts[forced] = torch.iinfo(torch.int64).max  # EOS first: a draft must be able to end
+    order = torch.sort(-counts, stable=True).indices  # stable: ties keep ascending ids
+    return order[:size].sort().values
+
+
+def to_sequences(dataset, *, max_len: int) -> list[Sequence]:
+    """Rows with at least one response token, each cut to its last ``max_len`` tokens."""
+    out = []
+    for ids, start in zip(dataset["input_ids"], dataset["response_start"]):
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        cut = max(0, len(ids) - max_len)
+        start = max(int(start) - cut, 1)  # position 0 has no target row before it
+        if start < len(ids):
+            out.append(Sequence(ids=ids[cut:], response_start=start))
+    return out
+
+
+def split_eval(n: int, *, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) indices: a seeded random ``fraction`` is held out (at least one when n > 1 and fraction > 0)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = 0 if fraction <= 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def batch_indices(n: int, *, micro_step: int, batch_size: int, seed: int) -> list[int]:
+    """Indices for global micro-batch ``micro_step``: consecutive slices of per-epoch permutations.
+
+    A pure function of (seed, micro_step), so resuming needs nothing but the step counter.
+    """
+    out, offset = [], micro_step * batch_size
+    while len(out) < batch_size:
+        epoch, pos = divmod(offset, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        take = perm[pos : pos + batch_size - len(out)].tolist()
+        out += take
+        offset += len(take)
+    return out
+
+
+def collate(seqs: list[Sequence], *, lead: int, pad_id: int = 0) -> Batch:
+    """Right-pad and pick each sequence's window.
+
+    Target rows with signal are s in [start - 1, L - 2] (they predict the response tokens). The
+    heads at position t learn from rows up to t + lead (lead = K for Medusa's last head, 0 for
+    exit), so the window runs from max(start - 1 - lead, 0) to L - 2.
+    """
+    B, L = len(seqs), max(len(s.ids) for s in seqs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((B, L), dtype=torch.int64)
+    starts, ends = [], []
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s.ids)] = s.ids
+        attention_mask[i, : len(s.ids)] = 1
+        starts.append(max(s.response_start - 1 - lead, 0))
+        ends.append(len(s.ids) - 1)  # exclusive: row L - 1 predicts past the end
+    W = max(e - b for b, e in zip(starts, ends))
+    start_t, end_t = torch.tensor(starts)[:, None], torch.tensor(ends)[:, None]
+    pos = start_t + torch.arange(W)[None]  # (B, W)
+    rs = torch.tensor([s.response_start for s in seqs])[:, None]
+    mask = (pos >= rs - 1) & (pos < end_t)
+    window = pos.clamp(max=L - 1)
+    next_tokens = input_ids.gather(1, (window + 1).clamp(max=L - 1))
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, window=window, mask=mask, next_tokens=next_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- model side
+
+
+@dataclass
+class Target:
+    """The frozen backbone pieces training needs; built once per run."""
+
+    backbone: Backbone
+    vocab: torch.Tensor | None   # (V_sub,) or None
+    weight: torch.Tensor         # (V_sub, H) LM-head rows, detached
+    exit_layer: int | None
+
+
+def target_view(model, *, vocab: torch.Tensor | None, exit_layer: int | None) -> Target:
+    bb = Backbone(model)
+    w = bb.lm_head.weight.detach()
+    if vocab is not None:
+        vocab = vocab.to(w.device)
+        w = w.index_select(0, vocab)
+    return Target(backbone=bb, vocab=vocab, weight=w, exit_layer=exit_layer)
+
+
+def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, device) -> HeadLoss:
+    """Frozen target forward (no grad) on the batch, then heads forward + loss on the window."""
+    bb = target.backbone
+    ids, am = batch.input_ids.to(device), batch.attention_mask.to(device)
+    window = batch.window.to(device)  # (B, W)
+    with torch.no_grad():
+        early = config.kind == "early-exit"
+        out = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
+        pick = lambda h: h.gather(1, window[..., None].expand(-1, -1, h.shape[-1]))  # noqa: E731  (B, L, H) -> (B, W, H)
+        final = pick(out.last_hidden_state)                     # (B, W, H) post-norm
+        teacher = F.linear(final, target.weight)                # (B, W, V_sub)
+        source = pick(out.hidden_states[target.exit_layer]) if early else final
+    mask, next_tokens = batch.mask.to(device), batch.next_tokens.to(device)
+    if early:
+        z = F.linear(bb.final_norm(module(source)), target.weight)  # (B, W, V_sub)
+        return exit_loss(z, teacher, mask, hard_tokens=next_tokens, hard_weight=config.hard_weight, vocab=target.vocab)
+    z = F.linear(module(source), target.weight)  # (B, W, K, V_sub)
+    return medusa_loss(z, teacher, mask, weight_decay_base=config.head_weight_base, hard_tokens=next_tokens,
+                       hard_weight=config.hard_weight, vocab=target.vocab)
+
+
+@torch.no_grad()
+def evaluate(module, target: Target, seqs: list[Sequence], *, config: TrainConfig, device, step: int,
+             autocast=contextlib.nullcontext) -> EvalResult | None:
+    if not seqs:
+        return None
+    was_training = module.training
+    module.eval()
+    lead = config.num_heads if config.kind == "medusa" else 0
+    loss_sum, n_batches, correct1, correct5, count = 0.0, 0, 0.0, 0.0, 0.0
+    for lo in range(0, len(seqs), config.batch_size):
+        with autocast():
+            r = head_loss(module, target, collate(seqs[lo : lo + config.batch_size], lead=lead), config=config, device=device)
+        loss_sum += float(r.loss)
+        n_batches += 1
+        correct1, correct5, count = correct1 + r.top1 * r.count, correct5 + r.top5 * r.count, count + r.count
+    module.train(was_training)
+    denom = count.clamp(min=1)
+    return EvalResult(step=step, loss=loss_sum / n_batches, top1=(correct1 / denom).tolist(),
+                      top5=(correct5 / denom).tolist(), tokens=int(count[0]))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+@contextlib.contextmanager
+def _deferred_sigint():
+    """Hold Ctrl-C while a checkpoint is written, then raise it: a checkpoint is written whole or not at all."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def train_heads(
+    model,
+    dataset,
+    *,
+    config: TrainConfig,
+    name: str,
+    eos_token_ids=(),
+    data_dir: str | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    callback: Callable[[int], None] | None = None,
+) -> TrainResult:
+    """Train heads for ``model`` on ``dataset`` (rows: input_ids, response_start) into ``config.out``.
+
+    ``name`` is the base model name recorded in the heads' config. ``callback(step)`` runs after
+    every optimizer step (tests use it to interrupt). Returns a summary; on KeyboardInterrupt the
+    last checkpoint stays intact and ``interrupted`` is True.
+    """
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    from ..model import untrained_heads
+
+    if config.kind not in KINDS:
+        raise ValueError(f"unknown kind {config.kind!r}: expected one of {', '.join(KINDS)}")
+    if config.lora > 0:
+        raise ValueError("--lora is not implemented yet")
+    if config.steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
+        raise ValueError("steps, batch_size and grad_accum must all be >= 1")
+    out = Path(config.out)
+    state_path = out / STATE_FILE
+    if state_path.is_file() and not resume:
+        raise ValueError(f"{out} already holds a training run: pass --resume to continue it, or choose another --out")
+
+    use_cuda = next(model.parameters()).device.type == "cuda"
+    accelerator = Accelerator(mixed_precision="bf16" if use_cuda else "no", gradient_accumulation_steps=config.grad_accum,
+                              cpu=not use_cuda)
+    device = accelerator.device
+    model.requires_grad_(False).eval().to(device)
+    n_layers = model.config.num_hidden_layers
+    exit_layer = (config.exit_layer if config.exit_layer is not None else n_layers // 2) if config.kind == "early-exit" else None
+    if exit_layer is not None and not 0 < exit_layer < n_layers:
+        raise ValueError(f"exit layer {exit_layer} must be between 1 and {n_layers - 1}")
+
+    seqs = to_sequences(dataset, max_len=config.max_len)
+    if not seqs:
+        raise ValueError("the data has no sequence with a response token: generate some with `selfspec gen-data`")
+    train_idx, eval_idx = split_eval(len(seqs), fraction=config.eval_fraction, seed=config.seed)
+    train_seqs, eval_seqs = [seqs[i] for i in train_idx], [seqs[i] for i in eval_idx]
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab = frequent_vocab(dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+
+    heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer)
+    heads.config.draft_vocab_size = 0 if vocab is None else int(vocab.numel())
+    heads.draft_vocab = vocab
+    module = heads.module.to(device=device, dtype=torch.float32).train()  # fp32 master weights; autocast on CUDA
+
+    saved = torch.load(state_path, map_location="cpu", weights_only=True) if resume and state_path.is_file() else None
+    if saved is not None:
+        _check_compatible(saved, config=config, vocab=vocab, fingerprint=heads.config.base_fingerprint, out=out)
+        module.load_state_dict(saved["heads"])
+    elif resume:
+        log.warning("--resume: %s has no %s, starting from scratch", out, STATE_FILE)
+
+    optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=min(config.warmup, config.steps),
+                                                num_training_steps=config.steps)
+    # The scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it per process).
+    module, optimizer = accelerator.prepare(module, optimizer)
+    step, tokens_seen, wall_before, evals = 0, 0, 0.0, []
+    if saved is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        step, tokens_seen, wall_before = saved["step"], saved["tokens_seen"], saved["wall_s"]
+        evals = [EvalResult(**e) for e in saved["evals"]]
+        torch.set_rng_state(saved["rng"])
+        log.info("resumed %s at step %d", out, step)
+
+    target = target_view(model, vocab=vocab, exit_layer=exit_layer)
+    lead = config.num_heads if config.kind == "medusa" else 0
+    world, rank = accelerator.num_processes, accelerator.process_index
+    raw = accelerator.unwrap_model(module)
+    started = time.perf_counter()
+
+    def run_eval() -> None:
+        r = evaluate(raw, target, eval_seqs, config=config, device=device, step=step, autocast=accelerator.autocast)
+        if r is not None:
+            evals.append(r)
+            if accelerator.is_main_process:
+                tqdm.write(r.line(), file=sys.stderr)
+
+    def checkpoint() -> None:
+        if not accelerator.is_main_process:
+            return
+        wall = wall_before + time.perf_counter() - started
+        heads.config.extra = {
+            "data": data_dir, "steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1),
+            "eval": asdict(evals[-1]) if evals else None, "train_config": asdict(config),
+        }
+        state = {
+            "heads": {k: v.detach().cpu() for k, v in raw.state_dict().items()},
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": step, "tokens_seen": tokens_seen, "wall_s": wall, "rng": torch.get_rng_state(),
+            "evals": [asdict(e) for e in evals], "config": asdict(config),
+            "fingerprint": heads.config.base_fingerprint, "vocab": vocab,
+        }
+        with _deferred_sigint():
+            # Heads first, state last: the state names the step both belong to, and resume reads only the state.
+            save_heads(Heads(config=heads.config, module=raw, draft_vocab=vocab), out)
+            _atomic_torch_save(state, state_path)
+
+    last_saved = step
+    bar = tqdm(total=config.steps, initial=step, desc=f"train {config.kind}", unit="step", file=sys.stderr,
+               disable=not progress or not accelerator.is_main_process, dynamic_ncols=True)
+    try:
+        if step == 0 and not evals:
+            run_eval()
+        while step < config.steps:
+            for micro in range(config.grad_accum):
+                global_micro = step * config.grad_accum + micro
+                idx = batch_indices(len(train_seqs), micro_step=global_micro, batch_size=config.batch_size * world,
+                                    seed=config.seed)
+                batch = collate([train_seqs[i] for i in idx[rank::world]], lead=lead)
+                with accelerator.accumulate(module), accelerator.autocast():
+                    r = head_loss(module, target, batch, config=config, device=device)
+                    accelerator.backward(r.loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(module.parameters(), 1.0)
+                    optimizer.step()      # a no-op until the last micro-batch of the step (accelerate)
+                    optimizer.zero_grad()
+                tokens_seen += int(accelerator.reduce(torch.tensor(int(batch.mask.sum()), device=device), "sum"))
+            scheduler.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{r.loss.detach().item():.3f}", acc1=f"{float(r.top1[0]):.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            if callback is not None:
+                callback(step)
+            if step % config.eval_every == 0 and step < config.steps:
+                run_eval()
+            if step % config.save_every == 0 and step < config.steps:
+                checkpoint()
+                last_saved = step
+        if not evals or evals[-1].step != step:
+            run_eval()
+        checkpoint()
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"interrupted at step {step}: the checkpoint of step {last_saved} in {out} is intact "
+              f"(rerun with --resume to continue)", file=sys.stderr)
+        return TrainResult(out=str(out), step=last_saved, tokens_seen=tokens_seen,
+                           wall_s=wall_before + time.perf_counter() - started, evals=evals, interrupted=True)
+    bar.close()
+    accelerator.wait_for_everyone()
+    return TrainResult(out=str(out), step=step, tokens_seen=tokens_seen,
+                       wall_s=wall_before + time.perf_counter() - started, evals=evals)
+
+
+def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: str, out: Path) -> None:
+    """Refuse to resume a run whose heads have another shape, base model or draft vocabulary."""
+    old = saved["config"]
+    diffs = [k for k in ("kind", "num_heads", "exit_layer", "draft_vocab_size") if old.get(k) != getattr(config, k)]
+    if saved["fingerprint"] != fingerprint:
+        diffs.append("base model")
+    old_vocab = saved["vocab"]
+    if (old_vocab is None) != (vocab is None) or (vocab is not None and not torch.equal(old_vocab, vocab.cpu())):
+        diffs.append("draft vocabulary (the data changed)")
+    if diffs:
+        raise ValueError(f"cannot resume {out}: {', '.join(diffs)} differ from the saved run; use another --out")
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags for ``selfspec train-heads``. TrainConfig fields default to None here so that a
+    ``--config`` recipe can fill them; :func:`config_from_args` applies the dataclass defaults last."""
+    d = TrainConfig()
+    parser.add_argument("--model", default=None, help="alias, model directory, .gguf file or hub id (e.g. smollm2-135m)")
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`)")
+    src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
+    parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
+    helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
+             "lora": "Medusa-2 LoRA rank (not implemented yet)", "hard_weight": "cross-entropy weight on the target's tokens"}
+    for f in dataclasses.fields(TrainConfig):
+        default = getattr(d, f.name)
+        typ = {"int | None": int}.get(str(f.type), type(default) if default is not None else int)
+        help_ = "; ".join(x for x in (helps.get(f.name), None if default is None else f"default {default}") if x)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None, help=help_)
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its trainer_state.pt")
+    parser.add_argument("--max-prompts", type=int, default=None, help="with --prompts: use only the first N")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="with --prompts: response length (default: gen-data's)")
+    parser.add_argument("--gen-batch-size", type=int, default=None, help="with --prompts: generation batch size")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
+    """TrainConfig from (flags > recipe > defaults), and the recipe's other keys (model, data, prompts)."""
+    recipe = {}
+    if args.config:
+        import yaml
+
+        recipe = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(recipe, dict):
+            raise ValueError(f"{args.config}: a recipe is a YAML mapping of flag names to values")
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    other = {"model", "data", "prompts", "max_prompts", "max_new_tokens", "gen_batch_size"}
+    unknown = set(recipe) - names - other
+    if unknown:
+        raise ValueError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
+    values = {k: v for k, v in recipe.items() if k in names}
+    values.update({k: getattr(args, k) for k in names if getattr(args, k, None) is not None})
+    extra = {k: recipe.get(k) for k in other}
+    extra.update({k: getattr(args, k) for k in other if getattr(args, k, None) is not None})
+    return TrainConfig(**values), extra
+
+
+def run_train_heads(args: argparse.Namespace) -> TrainResult:
+    """``selfspec train-heads``: optionally generate data, train, print a one-line summary."""
+    from ..loading import load_model
+    from . import data as gen
+
+    config, extra = config_from_args(args)
+    if not extra["model"]:
+        raise ValueError("--model is required (or `model:` in the --config recipe)")
+    if not extra["data"] and not extra["prompts"]:
+        raise ValueError("give --data DIR (from `selfspec gen-data`) or --prompts FILE")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(extra["model"], dtype=args.dtype, device=args.device)
+    data_dir = extra["data"]
+    if not data_dir:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("with several processes, generate the data first (`selfspec gen-data`) and pass --data")
+        data_dir = str(Path(config.out) / "data")
+        d = gen.DataGenConfig()
+        gen.generate_distillation_data(
+            loaded.model, loaded.tokenizer, gen.load_prompts(extra["prompts"], max_prompts=extra["max_prompts"]), data_dir,
+            max_new_tokens=extra["max_new_tokens"] or d.max_new_tokens, batch_size=extra["gen_batch_size"] or d.batch_size,
+            model_name=loaded.name, progress=not args.no_progress,
+        )
+    dataset = gen.load_distillation_data(data_dir)
+    eos = gen.read_meta(data_dir).get("eos_token_ids", [])
+    result = train_heads(loaded.model, dataset, config=config, name=loaded.name, eos_token_ids=eos, data_dir=str(data_dir),
+                         resume=args.resume, progress=not args.no_progress)
+    last = result.evals[-1].line() if result.evals else "no eval split"
+    rate = result.tokens_seen / result.wall_s if result.wall_s > 0 else 0.0
+    status = "interrupted" if result.interrupted else "done"
+    print(f"train-heads {status}: {config.kind} step {result.step}, {result.tokens_seen} tokens in {result.wall_s:.0f} s "
+          f"({rate:.0f} tok/s) -> {result.out}; {last}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_train_heads_args(argparse.ArgumentParser(prog="python -m selfspec.training.train",
+                                                          description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        result = run_train_heads(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 130 if result.interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""selfspec bench: JSON schema, interleaving, the identical-output check, a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.bench.harness import (BASELINE, Method, Prompt, Run, compare_to_baseline, interleaved_order,
+                                    load_prompts, run_bench)
+from selfspec.bench.methods import build_methods, parse_methods
+from selfspec.bench.report import markdown, write_report
+
+
+def test_interleaving_rotates_every_method_through_every_slot():
+    names = ["a", "b", "c"]
+    orders = [interleaved_order(names, i) for i in range(6)]
+    assert orders[0] == ["a", "b", "c"] and orders[1] == ["b", "c", "a"] and orders[3] == orders[0]
+    for slot in range(3):
+        assert sorted(o[slot] for o in orders[:3]) == names
+
+
+def test_identical_check_catches_a_planted_divergence():
+    base = {"p1": Run([1, 2, 3, 4], 1.0), "p2": Run([5, 6, 7], 1.0)}
+    same = {"p1": Run([1, 2, 3, 4], 1.0), "p2": Run([5, 6, 7], 1.0)}
+    planted = {"p1": Run([1, 2, 9, 4], 1.0), "p2": Run([5, 6, 7], 1.0)}
+    shorter = {"p1": Run([1, 2, 3], 1.0), "p2": Run([5, 6, 7], 1.0)}
+    big_margin = lambda pid, pos: 5.0  # noqa: E731
+    tie_margin = lambda pid, pos: 1e-4  # noqa: E731
+    assert compare_to_baseline(base, same, big_margin).identical
+    c = compare_to_baseline(base, planted, big_margin)
+    assert not c.identical and c.diverged == ["p1"]
+    c = compare_to_baseline(base, planted, tie_margin)   # hf-greedy itself was on a knife edge there
+    assert c.identical and c.ties == ["p1"]
+    assert not compare_to_baseline(base, shorter, tie_margin).identical  # a length change is never a tie
+
+
+def test_prompt_loading_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "category": "x"}\n{"prompt": "b"}\n')
+    ps = load_prompts(f)
+    assert [p.category for p in ps] == ["x", "all"] and len(load_prompts(f, limit=1)) == 1
+    f.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="no \"prompt\""):
+        load_prompts(f)
+    with pytest.raises(ValueError, match="not found"):
+        load_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("hf-greedy,warp-speed")
+    assert parse_methods("selfspec-medusa")[0] == BASELINE
+
+
+def test_tiny_end_to_end_bench_schema(tmp_path):
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    draft = tiny_model("llama", seed=3, num_hidden_layers=1)
+    prompts = [Prompt(id=str(i), category="code" if i % 2 else "chat", text=f"p{i}") for i in range(4)]
+
+    def encode(text):
+        g = torch.Generator().manual_seed(int(text[1:]))
+        return torch.randint(3, 97, (1, 5), generator=g)
+
+    names = parse_methods("all")
+    methods, notes = build_methods(names, model=model, tokenizer=None, model_name="tiny", temperature=0.0,
+                                   draft_model=draft)
+    results = run_bench(methods, prompts, encode, model=model, max_new_tokens=12, temperature=0.0, progress=False)
+    assert list(results) == names
+    for name, m in results.items():
+        for key in ("tokens_per_s", "speedup", "tau", "identical", "n_tokens", "per_category"):
+            assert key in m, (name, key)
+        assert isinstance(m["tokens_per_s"], float) and m["n_tokens"] == 48
+        assert m["identical"] is True, name          # every greedy method reproduces hf-greedy
+        assert set(m["per_category"]) == {"code", "chat"}
+        for cat in m["per_category"].values():
+            assert set(cat) == {"tokens_per_s", "speedup", "tau"}
+    assert results[BASELINE]["speedup"] == pytest.approx(1.0) and results[BASELINE]["tau"] == 1.0
+    assert results["selfspec-medusa"]["tau"] >= 1.0 and len(results["selfspec-medusa"]["acceptance_by_depth"]) == 4
+    assert 0 <= results["selfspec-early-exit"]["draft_share"] <= 1
+    result = {"config": {"model": "tiny", "device": "cpu", "dtype": "float32", "threads": 1, "prompts": "mem",
+                         "n_prompts": 4, "limit": None, "max_new_tokens": 12, "temperature": 0.0}, "methods": results}
+    write_report(result, tmp_path / "out")
+    back = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert back["methods"]["selfspec-ar"]["identical"] is True
+    assert (tmp_path / "out" / "speedup.png").stat().st_size > 1000
+    assert "| selfspec-medusa |" in (tmp_path / "out" / "results.md").read_text()
+    assert "chat" in markdown(result)
+
+
+def test_bench_requires_the_baseline():
+    m = Method(name="selfspec-ar", fn=lambda ids, n, g: ([1], None))
+    with pytest.raises(ValueError, match="hf-greedy"):
+        run_bench([m], [Prompt("0", "all", "x")], lambda t: torch.ones(1, 2, dtype=torch.long),
+                  model=tiny_model(), max_new_tokens=2, temperature=0.0, progress=False)

@@ -1,0 +1,221 @@
+"""Training: loss alignment on hand-built tensors, draft vocabulary, checkpoint/resume, a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from conftest import hf_greedy, tiny_model
+from torch.nn import functional as F
+
+from selfspec.backbone import config_fingerprint
+from selfspec.heads import load_heads
+from selfspec.model import SelfSpeculativeModel
+from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
+from selfspec.training.train import STATE_FILE, TrainConfig, collate, frequent_vocab, to_sequences, train_heads
+
+# ---------------------------------------------------------------------------------------------- losses
+
+
+def _target(B=2, T=7, V=11, seed=0):
+    """Random target logits whose rows all differ (distinct argmax per row), so only one alignment matches."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g)
+    best = torch.arange(B * T).reshape(B, T) % V
+    logits.scatter_(-1, best[..., None], 6.0)
+    return logits
+
+
+def _heads_copying(target, K, delta):
+    """Head k at t copies target row t + k + 1 + delta (rows out of range: noise)."""
+    B, T, V = target.shape
+    out = torch.randn(B, T, K, V, generator=torch.Generator().manual_seed(1))
+    for k in range(K):
+        for t in range(T):
+            s = t + k + 1 + delta
+            if 0 <= s < T:
+                out[:, t, k] = target[:, s]
+    return out
+
+
+def test_medusa_loss_shift_only_correct_alignment_is_zero():
+    target = _target()
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    right = medusa_loss(_heads_copying(target, 3, 0), target, mask)
+    assert float(right.loss) == pytest.approx(0.0, abs=1e-6)
+    assert right.top1.tolist() == [1.0, 1.0, 1.0] and right.top5.tolist() == [1.0, 1.0, 1.0]
+    assert right.count.tolist() == [2 * 6, 2 * 5, 2 * 4]  # head k has T - k - 1 target rows per sequence
+    for delta in (-1, 1, -2):
+        wrong = medusa_loss(_heads_copying(target, 3, delta), target, mask)
+        assert float(wrong.loss) > 0.5
+        assert (wrong.top1 < 1).all()
+
+
+def test_medusa_loss_mask_selects_target_rows_and_weights_heads():
+    target = _target(B=1, T=6)
+    heads = _heads_copying(target, 2, 0)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    mask[0, :3] = False  # prompt rows: no signal
+    heads[0, 0, 0] = torch.randn(11)  # head 0 at t=0 learns from row 1 (masked): garbage there is ignored
+    heads[0, 1, 1] = torch.randn(11)  # head 1 at t=1 learns from row 3 (marked): garbage counts
+    r = medusa_loss(heads, target, mask, weight_decay_base=0.5)
+    assert r.count.tolist() == [3, 3]  # rows 3, 4, 5 for both heads
+    assert float(r.kl[0]) == pytest.approx(0.0, abs=1e-6) and float(r.kl[1]) > 0
+    assert float(r.loss) == pytest.approx(0.5 * float(r.kl[1]), rel=1e-5)  # weight 0.5**1 on head 1
+
+
+def test_medusa_hard_tokens_share_the_target_shift():
+    target = _target(B=1, T=5, V=7)
+    heads = _heads_copying(target, 2, 0)
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    hard = target.argmax(-1)  # row s's "actual next token" = the target's own argmax
+    r = medusa_loss(heads, target, mask, hard_tokens=hard, hard_weight=1.0)
+    # With copies of the target, the CE equals the target's own entropy-like term; recompute it by hand.
+    expect = 0.0
+    for k in range(2):
+        rows = torch.arange(k + 1, 5)
+        lq = F.log_softmax(target[0, rows], -1)
+        expect += 0.8**k * float(-lq.gather(-1, hard[0, rows, None]).mean())
+    assert float(r.loss) == pytest.approx(expect, rel=1e-5)
+
+
+def test_exit_loss_same_position():
+    target = _target()
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    right = exit_loss(target.clone(), target, mask)
+    assert float(right.loss) == pytest.approx(0.0, abs=1e-6) and right.top1.tolist() == [1.0]
+    wrong = exit_loss(torch.roll(target, 1, dims=1), target, mask)  # the Medusa-style shift is wrong here
+    assert float(wrong.loss) > 0.5 and float(wrong.top1[0]) < 1
+
+
+def test_restricted_vocab_renormalises_the_target():
+    target = _target(B=1, T=4, V=10)
+    vocab = torch.tensor([1, 3, 4, 7])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    # Heads that rank the subset exactly as the target does (any constant offset) have zero loss.
+    sub = target[..., vocab] + 3.0
+    assert float(exit_loss(sub, target, mask, vocab=vocab).loss) == pytest.approx(0.0, abs=1e-6)
+    # Same loss whether the target comes full-width or already restricted.
+    other = torch.randn(1, 4, 4)
+    a = exit_loss(other, target, mask, vocab=vocab)
+    b = exit_loss(other, target[..., vocab], mask, vocab=vocab)
+    assert float(a.loss) == pytest.approx(float(b.loss), rel=1e-6)
+    p = F.softmax(target[..., vocab], -1)  # renormalised over the subset
+    manual = (p * (p.log() - F.log_softmax(other, -1))).sum(-1).mean()
+    assert float(a.loss) == pytest.approx(float(manual), rel=1e-5)
+    # Medusa too: full-width target with vocab == pre-restricted target.
+    h = torch.randn(1, 4, 2, 4)
+    assert float(medusa_loss(h, target, mask, vocab=vocab).loss) == pytest.approx(
+        float(medusa_loss(h, target[..., vocab], mask).loss), rel=1e-6)
+    # Hard tokens map to subset columns; tokens outside the subset have none.
+    assert to_subset_ids(torch.tensor([3, 2, 7, 1]), vocab).tolist() == [1, -1, 3, 0]
+
+
+# ---------------------------------------------------------------------------------------------- data side
+
+
+def _dataset(rows):
+    return datasets.Dataset.from_dict({
+        "id": [str(i) for i in range(len(rows))],
+        "input_ids": [ids for ids, _ in rows],
+        "response_start": [start for _, start in rows],
+        "n_response": [len(ids) - start for ids, start in rows],
+    })
+
+
+def test_frequent_vocab_counts_responses_and_keeps_eos():
+    ds = _dataset([([9, 9, 9, 5, 5, 2], 3), ([9, 9, 5, 6, 6, 1], 2)])  # responses: 5 5 2 | 5 6 6 1
+    assert frequent_vocab(ds, 3, vocab_size=10, eos_token_ids=[8]).tolist() == [5, 6, 8]  # 9 is prompt-only
+    assert frequent_vocab(ds, 2, vocab_size=10).tolist() == [5, 6]
+    assert frequent_vocab(ds, 4, vocab_size=10).tolist() == [1, 2, 5, 6]  # ties: smaller ids first
+    assert frequent_vocab(ds, 0, vocab_size=10) is None and frequent_vocab(ds, 10, vocab_size=10) is None
+
+
+def test_collate_window_and_mask():
+    seqs = to_sequences(_dataset([([10, 11, 12, 20, 21, 22], 3), ([10, 20, 21], 1)]), max_len=100)
+    b = collate(seqs, lead=0)
+    # Rows 2..4 of sequence 0 predict 20, 21, 22; rows 0..1 of sequence 1 predict 20, 21.
+    assert b.window[0].tolist() == [2, 3, 4] and b.mask[0].tolist() == [True] * 3
+    assert b.next_tokens[0].tolist() == [20, 21, 22]
+    assert b.mask[1].tolist() == [True, True, False] and b.next_tokens[1, :2].tolist() == [20, 21]
+    b = collate(seqs, lead=2)  # Medusa with 2 heads reads from two positions earlier
+    assert b.window[0].tolist() == [0, 1, 2, 3, 4] and b.mask[0].tolist() == [False, False, True, True, True]
+    assert to_sequences(_dataset([([1, 2, 3, 4, 5, 6], 4)]), max_len=3)[0].response_start == 1
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def _self_generated(model, *, n=24, new=24, seed=0):
+    """Sequences the tiny model wrote itself: random prompts + its greedy continuation."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        prompt = torch.randint(1, 97, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
+        out = hf_greedy(model, prompt[None], new)[0]
+        rows.append((out.tolist(), len(prompt)))
+    return _dataset(rows)
+
+
+def _cfg(tmp_path, name, **kw):
+    base = dict(kind="medusa", num_heads=2, steps=4, lr=1e-2, warmup=1, batch_size=4, draft_vocab_size=32,
+                eval_fraction=0.2, eval_every=100, save_every=2, out=str(tmp_path / name))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_checkpoint_is_atomic_and_resume_matches_uninterrupted(tmp_path):
+    torch.set_num_threads(1)
+    model = tiny_model(seed=1)
+    ds = _dataset([(torch.randint(1, 97, (20,), generator=torch.Generator().manual_seed(i)).tolist(), 8) for i in range(12)])
+
+    straight = train_heads(model, ds, config=_cfg(tmp_path, "a"), name="tiny", progress=False)
+    assert straight.step == 4 and not straight.interrupted
+
+    def stop_at_3(step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    cut = train_heads(model, ds, config=_cfg(tmp_path, "b"), name="tiny", progress=False, callback=stop_at_3)
+    assert cut.interrupted and cut.step == 2
+    state = torch.load(tmp_path / "b" / STATE_FILE, weights_only=True)
+    assert state["step"] == 2 and state["optimizer"]["state"]  # Adam moments were saved
+    fp = config_fingerprint(model.config)
+    assert load_heads(tmp_path / "b", expect_kind="medusa", fingerprint=fp).config.extra["steps"] == 2
+    assert not list((tmp_path / "b").glob("*.tmp"))
+
+    with pytest.raises(ValueError, match="--resume"):
+        train_heads(model, ds, config=_cfg(tmp_path, "b"), name="tiny", progress=False)
+    resumed = train_heads(model, ds, config=_cfg(tmp_path, "b"), name="tiny", progress=False, resume=True)
+    assert resumed.step == 4
+    a = load_heads(tmp_path / "a", expect_kind="medusa", fingerprint=fp)
+    b = load_heads(tmp_path / "b", expect_kind="medusa", fingerprint=fp)
+    # Same weights only if the optimizer moments, schedule and batch order all carried over.
+    for (k, va), vb in zip(a.module.state_dict().items(), b.module.state_dict().values()):
+        torch.testing.assert_close(va, vb, msg=k)
+    assert torch.equal(a.draft_vocab, b.draft_vocab) and a.config.extra["steps"] == 4
+
+
+def test_lora_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--lora is not implemented yet"):
+        train_heads(tiny_model(), _dataset([([1, 2, 3], 1)]), config=_cfg(tmp_path, "x", lora=4), name="tiny")
+
+
+@pytest.mark.parametrize("kind", ["medusa", "early-exit"])
+def test_end_to_end_trained_heads_learn_and_stay_exact(tmp_path, kind):
+    torch.set_num_threads(1)
+    model = tiny_model(seed=2)
+    ds = _self_generated(model)
+    cfg = _cfg(tmp_path, kind, kind=kind, num_heads=4, steps=30, lr=3e-2, warmup=3, batch_size=6, draft_vocab_size=48,
+               eval_fraction=0.25, eval_every=10, save_every=15)
+    result = train_heads(model, ds, config=cfg, name="tiny", progress=False)
+    assert result.evals[0].step == 0 and result.evals[-1].step == 30
+    assert result.evals[-1].loss < 0.9 * result.evals[0].loss, [e.loss for e in result.evals]
+
+    heads = load_heads(cfg.out, expect_kind=kind, fingerprint=config_fingerprint(model.config))
+    assert heads.draft_vocab.numel() == 48 and heads.config.draft_vocab_size == 48
+    assert heads.config.extra["steps"] == 30 and heads.config.extra["tokens_seen"] > 0
+    sm = SelfSpeculativeModel(model, None, drafter_name=kind, heads=heads, tree="auto", name="tiny")
+    for i in range(3):
+        prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(100 + i))
+        out = sm.generate(prompt, max_new_tokens=24, do_sample=False)
+        assert torch.equal(out, hf_greedy(model, prompt, 24))
