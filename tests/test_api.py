@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_model
+from conftest import chi2_check, hf_greedy, tiny_model
 from selfspec.backbone import config_fingerprint
 from selfspec.heads import load_heads, save_heads
 from selfspec.model import SelfSpeculativeModel, untrained_heads
@@ -126,17 +126,5 @@ def test_sampling_through_the_loop_matches_target_distribution(drafter):
         out = sm.generate(ids, max_new_tokens=2, do_sample=True, temperature=temp, top_p=top_p, top_k=0, generator=gen)
         key = tuple(out[0, 3:5].tolist())
         counts[key] = counts.get(key, 0) + 1
-    assert all(exact[k] > 0 for k in counts), "sampled a token the target gives zero probability"
-    stat, cells, pool_o, pool_e = 0.0, 0, 0, 0.0
-    for key, p in exact.items():
-        e, o = n * p, counts.get(key, 0)
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            cells += 1
-        else:
-            pool_o, pool_e = pool_o + o, pool_e + e
-    if pool_e > 0:
-        stat += (pool_o - pool_e) ** 2 / pool_e
-        cells += 1
-    dof = cells - 1
-    assert stat < dof + 6 * math.sqrt(2 * dof), f"chi2={stat:.1f}, dof={dof}"
+    stat, threshold = chi2_check(counts, exact, n)
+    assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: not the target distribution"

@@ -9,11 +9,11 @@ A planted bug (resampling from p instead of the residual) must fail the same che
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
 
+from conftest import chi2_check
 from selfspec.sampling import SamplingParams, probs_from_logits
 from selfspec.tree import build_tree, chain
 from selfspec.verify import rejection_accept_chain, rejection_accept_tree
@@ -39,30 +39,9 @@ def _exact(P: torch.Tensor, root: int) -> dict[tuple, float]:
     return out
 
 
-def _chi2(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> tuple[float, int]:
-    """Chi-square over cells with expected count >= 5 (rest pooled) -> (statistic, dof)."""
-    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
-    for seq, p in exact.items():
-        e, o = n * p, counts.get(seq, 0)
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            cells += 1
-        else:
-            pooled_obs += o
-            pooled_exp += e
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        cells += 1
-    # A token with zero target mass (top-k/top-p) must never appear.
-    impossible = sum(c for s, c in counts.items() if exact[s] == 0)
-    assert impossible == 0, f"{impossible} samples had zero target probability"
-    return stat, cells - 1
-
-
 def _assert_matches(counts, exact, n):
-    stat, dof = _chi2(counts, exact, n)
-    # chi2(dof) has mean dof and sd sqrt(2 dof): 6 sd is a false-alarm rate far below 1e-6.
-    assert stat < dof + 6 * math.sqrt(2 * dof), f"chi2={stat:.1f} with {dof} dof: not the target distribution"
+    stat, threshold = chi2_check(counts, exact, n)
+    assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: not the target distribution"
 
 
 def _chain_sequences(P, Q, root, k, gen, *, accept=rejection_accept_chain):
@@ -115,8 +94,8 @@ def test_statistical_check_catches_a_planted_bug():
     P, Q = _toy(0, params)
     gen = torch.Generator().manual_seed(1)
     counts = _chain_sequences(P, Q, 0, 2, gen, accept=_buggy_chain)
-    stat, dof = _chi2(counts, _exact(P, 0), N)
-    assert stat > dof + 6 * math.sqrt(2 * dof)
+    stat, threshold = chi2_check(counts, _exact(P, 0), N)
+    assert stat > threshold
 
 
 TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
