@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-heads", help="fit Medusa heads or the early-exit head by self-distillation")
     add_train_heads_args(p)
     p.set_defaults(func=lambda a: 130 if run_train_heads(a).interrupted else 0)
+    from .training.tune import add_tune_args, run_tune
+
+    p = sub.add_parser("tune-tree", help="time candidate trees for trained heads on held-out prompts; keep the fastest")
+    add_tune_args(p)
+    p.set_defaults(func=run_tune)
 
     p = sub.add_parser("bench", help="compare decoding methods side by side against transformers' greedy generate")
     add_bench_args(p)

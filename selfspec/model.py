@@ -56,6 +56,12 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
     return Heads(config=config, module=build_heads(config).to(device=p.device, dtype=p.dtype).eval())
 
 
+def _tuned_tree(heads: Heads, fallback):
+    """tree="auto": the tree measured best for these heads (config.extra["tree"]), else ``fallback``."""
+    spec = heads.config.extra.get("tree")
+    return parse_tree(spec, default=fallback) if spec else fallback
+
+
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, tree, name: str,
                  draft_model=None, exit_layer: int | None = None):
@@ -70,11 +76,12 @@ class SelfSpeculativeModel:
         if drafter_name == "none":
             self.drafter = NoDrafter(self.backbone.device)
         elif drafter_name == "medusa":
-            self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=MEDUSA_DEFAULT), device))
+            default = _tuned_tree(heads, MEDUSA_DEFAULT)
+            self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device))
         elif drafter_name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
                 raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
-            default = parse_tree(DEFAULT_EARLY_EXIT_TREE, default=chain(4))
+            default = _tuned_tree(heads, parse_tree(DEFAULT_EARLY_EXIT_TREE, default=chain(4)))
             self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device))
         else:
             default = parse_tree(DEFAULT_DRAFT_MODEL_TREE, default=chain(4))

@@ -125,6 +125,32 @@ MEDUSA_DEFAULT: tuple[Path, ...] = (
 )
 
 
+def tree_from_rank_accuracy(acc: tuple[tuple[float, ...], ...], size: int) -> tuple[Path, ...]:
+    """The ``size`` candidate nodes with the highest estimated probability of being accepted.
+
+    acc[d][r]: measured probability that the rank-r candidate at depth d + 1 is the target's
+    token (e.g. Medusa head d + 1's top-k on held-out data). A path's probability is the product
+    along it (heads treated as independent, as Medusa's tree search does); the expected tokens
+    per step are 1 + the sum over chosen nodes. Best-first growth keeps the tree prefix-closed.
+    """
+    import heapq
+
+    if size < 1:
+        raise ValueError("a tree needs at least one candidate node")
+    frontier = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
+    heapq.heapify(frontier)
+    chosen: list[tuple[Path, float]] = []
+    while frontier and len(chosen) < size:
+        neg, path = heapq.heappop(frontier)
+        chosen.append((path, -neg))
+        d = len(path)
+        if d < len(acc):
+            for r, a in enumerate(acc[d]):
+                heapq.heappush(frontier, (neg * a, path + (r,)))
+    # Parents before children (depth, then rank order), as build_tree requires.
+    return tuple(sorted((p for p, _ in chosen), key=lambda p: (len(p), p)))
+
+
 def parse_tree(spec, *, default: tuple[Path, ...]) -> tuple[Path, ...]:
     """``"auto"`` -> default; ``"chain-K"``; ``"chain-K-wW"`` (chain + W-1 sibling leaves); or explicit paths."""
     if spec is None or spec == "auto":

@@ -219,3 +219,29 @@ def test_end_to_end_trained_heads_learn_and_stay_exact(tmp_path, kind):
         prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(100 + i))
         out = sm.generate(prompt, max_new_tokens=24, do_sample=False)
         assert torch.equal(out, hf_greedy(model, prompt, 24))
+
+
+def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
+    from selfspec.heads import save_heads
+    from selfspec.training.tune import medusa_rank_accuracy, tune_tree
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=2)
+    ds = _self_generated(model, n=12)
+    cfg = _cfg(tmp_path, "m", num_heads=3, steps=20, lr=3e-2, warmup=2, batch_size=6, draft_vocab_size=48)
+    train_heads(model, ds, config=cfg, name="tiny", progress=False)
+    fp = config_fingerprint(model.config)
+    heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=fp)
+    seqs = to_sequences(ds, max_len=1024)
+    acc = medusa_rank_accuracy(model, heads, seqs, max_rank=4)
+    assert len(acc) == 3 and all(len(a) == 4 for a in acc)
+    assert all(0 <= sum(a) <= 1 + 1e-6 for a in acc)
+    best, cands, _ = tune_tree(model, heads, seqs, n_prompts=2, max_new_tokens=8, repeats=1, progress=False)
+    assert best == max(cands, key=lambda c: c.tokens_per_s).spec and all(c.tau >= 1.0 for c in cands)
+    heads.config.extra["tree"] = [list(p) for p in best]
+    save_heads(heads, cfg.out)
+    tuned = load_heads(cfg.out, expect_kind="medusa", fingerprint=fp)
+    sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, tree="auto", name="tiny")
+    assert sm.drafter.tree.paths == tuple(tuple(p) for p in best)
+    prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))

@@ -128,3 +128,16 @@ def test_pick_candidates_without_replacement_and_padding():
     assert len(set(cand[1].tolist())) == 3                                     # no repeats
     greedy = pick_candidates(torch.tensor([[1.0, 3.0, 2.0]]), 2, params=SamplingParams(), generator=None)
     assert greedy.tolist() == [[1, 2]]
+
+
+def test_tree_from_rank_accuracy_is_best_first_and_prefix_closed():
+    from selfspec.tree import tree_from_rank_accuracy
+
+    acc = ((0.6, 0.2, 0.1), (0.5, 0.2), (0.4,))
+    paths = tree_from_rank_accuracy(acc, 5)
+    # Path probabilities: (0,) .6, (0,0) .3, (1,) .2, (0,0,0) .12, (0,1) .12, (2,) .1, (1,0) .1 ...
+    assert set(paths[:3]) == {(0,), (1,), (0, 0)}
+    assert len(paths) == 5 and {(0, 0, 0), (0, 1)} <= set(paths)
+    build_tree(paths)  # parents come first
+    big = tree_from_rank_accuracy(acc, 100)
+    assert len(big) == 3 + 3 * 2 + 3 * 2 * 1   # every path the accuracies allow

@@ -1,0 +1,173 @@
+"""Pick the draft tree for trained heads by measurement, on held-out training prompts.
+
+Medusa: measure each head's rank accuracy (how often the target's token is its rank-r
+candidate), grow best-first trees of several sizes from it (``tree.tree_from_rank_accuracy``),
+then time real greedy decoding with each and keep the fastest. Early exit: time chain lengths.
+The winner goes into the heads' ``config.extra["tree"]``, which ``tree="auto"`` uses.
+
+Held-out prompts are the training run's own eval split (same data directory, seed and
+fraction as recorded in the heads), so nothing is tuned on the evaluation prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from ..backbone import Backbone, config_fingerprint
+from ..decode import decode
+from ..drafters import EarlyExitDrafter, MedusaDrafter
+from ..heads import Heads, load_heads, save_heads
+from ..sampling import SamplingParams
+from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
+from .data import load_distillation_data
+from .train import Sequence, split_eval, to_sequences
+
+MEDUSA_SIZES = (4, 8, 12, 16, 24, 32)
+EXIT_TREES = ("chain-1", "chain-2", "chain-3", "chain-4", "chain-5", "chain-3-w2")
+
+
+@dataclass
+class Candidate:
+    spec: str | tuple
+    size: int
+    tokens_per_s: float
+    tau: float
+
+
+def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
+    """The eval split of the heads' training run (recorded seed / fraction / max_len)."""
+    tc = (heads.config.extra or {}).get("train_config") or {}
+    seqs = to_sequences(load_distillation_data(data_dir), max_len=tc.get("max_len", 1024))
+    _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
+    if not held:
+        raise ValueError("the heads' training run held nothing out (eval_fraction 0): cannot tune without leakage")
+    return [seqs[i] for i in held]
+
+
+@torch.no_grad()
+def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
+    """acc[d][r] = P(the target's token at depth d + 1 is head d + 1's rank-r candidate), on response positions."""
+    bb = Backbone(model)
+    vocab = heads.draft_vocab
+    w = bb.lm_head.weight if vocab is None else bb.lm_head.weight.index_select(0, vocab)
+    to_sub = None
+    if vocab is not None:  # token id -> row in the draft vocabulary (-1: not proposable)
+        to_sub = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=w.device)
+        to_sub[vocab] = torch.arange(len(vocab), device=w.device)
+    K = heads.config.num_heads
+    hits = torch.zeros(K, max_rank)
+    total = torch.zeros(K)
+    for s in seqs:
+        ids = s.ids.to(w.device)[None]
+        h = bb.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]   # (L, H) post-norm
+        z = F.linear(heads.module(h), w)                                          # (L, K, V_sub)
+        L = ids.shape[1]
+        for k in range(K):
+            # Head k (0-based) at position t proposes the token at t + k + 2.
+            t = torch.arange(max(s.response_start - 1, 0), L - k - 2, device=w.device)
+            if len(t) == 0:
+                continue
+            true = ids[0, t + k + 2]
+            rows = true if to_sub is None else to_sub[true]
+            ok = rows >= 0
+            scores = z[t, k]                                                       # (n, V_sub)
+            mine = scores.gather(1, rows.clamp(min=0)[:, None])
+            rank = (scores > mine).sum(1)
+            rank = torch.where(ok, rank, torch.full_like(rank, max_rank))
+            for r in range(max_rank):
+                hits[k, r] += float((rank == r).sum())
+            total[k] += len(t)
+    return (hits / total.clamp(min=1)[:, None]).tolist()
+
+
+def _time(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float]:
+    bb = Backbone(model)
+    toks, wall, steps, committed = 0, 0.0, 0, 0
+    for p in prompts:
+        new, st = decode(bb, drafter, p.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
+                         eos_token_ids=set(), generator=None)
+        toks, wall = toks + len(new), wall + st.wall_s
+        steps += st.steps
+        committed += sum((a + 1) * n for a, n in enumerate(st.accepted_hist))
+    return toks / wall, committed / max(steps, 1)
+
+
+def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
+              repeats: int = 2, progress: bool = True) -> tuple[object, list[Candidate], list | None]:
+    """Time every candidate tree (interleaved, ``repeats`` rounds, median) and return (best spec, all, acc)."""
+    bb = Backbone(model)
+    prompts = [s.ids[: s.response_start] for s in seqs[:n_prompts]]
+    acc = None
+    if heads.config.kind == "medusa":
+        acc = medusa_rank_accuracy(model, heads, seqs[: max(n_prompts * 4, 32)])
+        acc_t = tuple(tuple(a) for a in acc)
+        specs = [tree_from_rank_accuracy(acc_t, n) for n in MEDUSA_SIZES]
+        make = lambda spec: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)))  # noqa: E731
+    else:
+        specs = list(EXIT_TREES)
+        make = lambda spec: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)))  # noqa: E731
+    _time(model, make(specs[0]), prompts[:1], 16)  # warm-up
+    runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(specs))}
+    bar = tqdm(total=repeats * len(specs), desc="tune-tree", disable=not progress)
+    for rep in range(repeats):
+        order = list(range(len(specs)))
+        order = order[rep % len(order):] + order[: rep % len(order)]  # rotate: drift hits all alike
+        for i in order:
+            runs[i].append(_time(model, make(specs[i]), prompts, max_new_tokens))
+            bar.update(1)
+    bar.close()
+    cands = [Candidate(spec=specs[i], size=build_tree(parse_tree(specs[i], default=())).size - 1,
+                       tokens_per_s=statistics.median(r[0] for r in runs[i]),
+                       tau=statistics.median(r[1] for r in runs[i])) for i in range(len(specs))]
+    best = max(cands, key=lambda c: c.tokens_per_s)
+    return best.spec, cands, acc
+
+
+def add_tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--heads", required=True, help="heads directory to tune (rewritten in place)")
+    p.add_argument("--data", required=True, help="the data directory the heads were trained on")
+    p.add_argument("--prompts-n", type=int, default=8, help="held-out prompts to time on")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def run_tune(args) -> int:
+    from ..loading import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else None)
+    p = loaded.model.get_output_embeddings().weight
+    import json
+
+    kind = json.loads((Path(args.heads) / "config.json").read_text())["kind"] if (Path(args.heads) / "config.json").is_file() else None
+    if kind is None:
+        raise ValueError(f"{args.heads} is not a heads directory")
+    heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
+                       device=p.device, dtype=p.dtype)
+    seqs = heldout_sequences(args.data, heads)
+    best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
+                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    for c in cands:
+        print(f"{c.size:3d} nodes  {c.tokens_per_s:6.1f} tok/s  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
+    heads.config.extra = dict(heads.config.extra or {})
+    heads.config.extra["tree"] = best if isinstance(best, str) else [list(p) for p in best]
+    heads.config.extra["tree_search"] = {
+        "held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(), "rank_accuracy": acc,
+        "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
+                       for c in cands],
+    }
+    save_heads(heads, args.heads)
+    print(f"tree=auto for {args.heads} is now the {best if isinstance(best, str) else f'{len(best)}-node tree'}")
+    return 0
