@@ -68,16 +68,21 @@ class MedusaHeads(nn.Module):
 
 
 class ExitHead(nn.Module):
-    """Residual MLP adapter on layer-E hidden states (pre-norm); output goes to the final norm + LM head."""
+    """Pre-norm residual MLP adapter on layer-E hidden states; output goes to the final norm + LM head.
+
+    The input norm matters: mid-depth residual streams have large, uneven scales, and an MLP fed
+    with them directly trains unstably. ``down`` is zero-initialised, so untrained it is the identity.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
+        self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
         nn.init.zeros_(self.down.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.down(nn.functional.silu(self.up(hidden)))
+        return hidden + self.down(nn.functional.silu(self.up(self.norm(hidden))))
 
 
 @dataclass
