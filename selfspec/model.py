@@ -76,7 +76,9 @@ class SelfSpeculativeModel:
         if drafter_name == "none":
             self.drafter = NoDrafter(self.backbone.device)
         elif drafter_name == "medusa":
-            default = _tuned_tree(heads, MEDUSA_DEFAULT)
+            # The default tree, cut to the depth these heads can fill.
+            fallback = tuple(p for p in MEDUSA_DEFAULT if len(p) <= heads.config.num_heads)
+            default = _tuned_tree(heads, fallback)
             self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device))
         elif drafter_name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
@@ -135,8 +137,8 @@ class SelfSpeculativeModel:
         adapter = heads_dir / "lora"
         if not adapter.is_dir():
             raise ValueError(f"{heads_dir} says it was trained with LoRA but has no lora/ adapter directory")
-        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-        model.load_state_dict(merged.state_dict())
+        # merge_and_unload folds the adapters into the base weights of ``model`` itself.
+        PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
         warnings.warn(f"{heads_dir} fine-tuned the backbone with LoRA (Medusa-2): generations follow the fine-tuned "
                       "model, not the original one", stacklevel=3)
 

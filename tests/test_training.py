@@ -195,9 +195,34 @@ def test_checkpoint_is_atomic_and_resume_matches_uninterrupted(tmp_path):
     assert torch.equal(a.draft_vocab, b.draft_vocab) and a.config.extra["steps"] == 4
 
 
-def test_lora_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="--lora is not implemented yet"):
-        train_heads(tiny_model(), _dataset([([1, 2, 3], 1)]), config=_cfg(tmp_path, "x", lora=4), name="tiny")
+def test_lora_medusa2_trains_saves_adapter_and_leaves_the_callers_model_alone(tmp_path):
+    import warnings
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=2)
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    before = model(ids).logits.detach().clone()
+    ds = _self_generated(model, n=12, new=12)
+    cfg = _cfg(tmp_path, "l", lora=2, num_heads=2, steps=6, lr=5e-2, warmup=1, batch_size=4, save_every=3)
+    result = train_heads(model, ds, config=cfg, name="tiny", progress=False)
+    assert result.step == 6
+    # The caller's model is unchanged: adapters were unloaded, not merged.
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    torch.testing.assert_close(model(ids).logits, before)
+
+    heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=config_fingerprint(model.config))
+    assert heads.config.lora["rank"] == 2 and (tmp_path / "l" / "lora" / "adapter_config.json").is_file()
+    tuned = tiny_model(seed=2)
+    with pytest.warns(UserWarning, match="fine-tuned"):
+        SelfSpeculativeModel._apply_lora(tuned, tmp_path / "l", heads.config)
+    after = tuned(ids).logits.detach()
+    assert not torch.allclose(after, before)  # Medusa-2 changes the model, and says so
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sm = SelfSpeculativeModel(tuned, None, drafter_name="medusa", heads=heads, tree="auto", name="tiny")
+    assert torch.equal(sm.generate(ids, max_new_tokens=16), hf_greedy(tuned, ids, 16))
+    with pytest.raises(ValueError, match="lora"):  # resuming with another rank is refused
+        train_heads(model, ds, config=_cfg(tmp_path, "l", lora=4, num_heads=2), name="tiny", progress=False, resume=True)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "early-exit"])

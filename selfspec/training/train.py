@@ -69,7 +69,7 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 500
     seed: int = 0
-    lora: int = 0                     # Medusa-2 LoRA rank on the backbone; not implemented yet
+    lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     out: str = "heads-out"
 
 
@@ -216,30 +216,47 @@ def target_view(model, *, vocab: torch.Tensor | None, exit_layer: int | None) ->
     return Target(backbone=bb, vocab=vocab, weight=w, exit_layer=exit_layer)
 
 
-def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, device) -> HeadLoss:
-    """Frozen target forward (no grad) on the batch, then heads forward + loss on the window."""
+def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, device, lora=None) -> HeadLoss:
+    """Frozen target forward (no grad) on the batch, then heads forward + loss on the window.
+
+    With ``lora`` (a peft model wrapping the backbone, Medusa-2): the teacher is the ORIGINAL model
+    (adapters disabled, no grad); the heads read the fine-tuned backbone's hidden states, and the
+    backbone adds its own self-distillation loss, KL(original || fine-tuned) over the full vocabulary.
+    """
     bb = target.backbone
     ids, am = batch.input_ids.to(device), batch.attention_mask.to(device)
     window = batch.window.to(device)  # (B, W)
-    with torch.no_grad():
-        early = config.kind == "early-exit"
+    early = config.kind == "early-exit"
+    pick = lambda h: h.gather(1, window[..., None].expand(-1, -1, h.shape[-1]))  # noqa: E731  (B, L, H) -> (B, W, H)
+    with torch.no_grad(), (lora.disable_adapter() if lora is not None else contextlib.nullcontext()):
         out = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
-        pick = lambda h: h.gather(1, window[..., None].expand(-1, -1, h.shape[-1]))  # noqa: E731  (B, L, H) -> (B, W, H)
         final = pick(out.last_hidden_state)                     # (B, W, H) post-norm
         teacher = F.linear(final, target.weight)                # (B, W, V_sub)
         source = pick(out.hidden_states[target.exit_layer]) if early else final
     mask, next_tokens = batch.mask.to(device), batch.next_tokens.to(device)
+    backbone_kl = None
+    if lora is not None:
+        student = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
+        s_final = pick(student.last_hidden_state)
+        source = pick(student.hidden_states[target.exit_layer]) if early else s_final
+        w_full = bb.lm_head.weight
+        t_logp = F.log_softmax(F.linear(final, w_full).float(), -1)      # (B, W, V)
+        s_logp = F.log_softmax(F.linear(s_final, w_full).float(), -1)
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)                  # (B, W)
+        backbone_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
     if early:
         z = F.linear(bb.final_norm(module(source)), target.weight)  # (B, W, V_sub)
-        return exit_loss(z, teacher, mask, hard_tokens=next_tokens, hard_weight=config.hard_weight, vocab=target.vocab)
-    z = F.linear(module(source), target.weight)  # (B, W, K, V_sub)
-    return medusa_loss(z, teacher, mask, weight_decay_base=config.head_weight_base, hard_tokens=next_tokens,
-                       hard_weight=config.hard_weight, vocab=target.vocab)
+        r = exit_loss(z, teacher, mask, hard_tokens=next_tokens, hard_weight=config.hard_weight, vocab=target.vocab)
+    else:
+        z = F.linear(module(source), target.weight)  # (B, W, K, V_sub)
+        r = medusa_loss(z, teacher, mask, weight_decay_base=config.head_weight_base, hard_tokens=next_tokens,
+                        hard_weight=config.hard_weight, vocab=target.vocab)
+    return r if backbone_kl is None else dataclasses.replace(r, loss=r.loss + backbone_kl)
 
 
 @torch.no_grad()
 def evaluate(module, target: Target, seqs: list[Sequence], *, config: TrainConfig, device, step: int,
-             autocast=contextlib.nullcontext) -> EvalResult | None:
+             autocast=contextlib.nullcontext, lora=None) -> EvalResult | None:
     if not seqs:
         return None
     was_training = module.training
@@ -248,7 +265,8 @@ def evaluate(module, target: Target, seqs: list[Sequence], *, config: TrainConfi
     loss_sum, n_batches, correct1, correct5, count = 0.0, 0, 0.0, 0.0, 0.0
     for lo in range(0, len(seqs), config.batch_size):
         with autocast():
-            r = head_loss(module, target, collate(seqs[lo : lo + config.batch_size], lead=lead), config=config, device=device)
+            r = head_loss(module, target, collate(seqs[lo : lo + config.batch_size], lead=lead), config=config,
+                          device=device, lora=lora)
         loss_sum += float(r.loss)
         n_batches += 1
         correct1, correct5, count = correct1 + r.top1 * r.count, correct5 + r.top5 * r.count, count + r.count
@@ -316,8 +334,8 @@ def train_heads(
 
     if config.kind not in KINDS:
         raise ValueError(f"unknown kind {config.kind!r}: expected one of {', '.join(KINDS)}")
-    if config.lora > 0:
-        raise ValueError("--lora is not implemented yet")
+    if config.lora < 0:
+        raise ValueError("--lora must be >= 0 (0 = heads only, the model's output unchanged)")
     if config.steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
         raise ValueError("steps, batch_size and grad_accum must all be >= 1")
     out = Path(config.out)
@@ -355,7 +373,16 @@ def train_heads(
     elif resume:
         log.warning("--resume: %s has no %s, starting from scratch", out, STATE_FILE)
 
-    optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    lora = _attach_lora(model, config.lora) if config.lora > 0 else None
+    if lora is not None:
+        heads.config.lora = {"rank": config.lora, "alpha": 2 * config.lora, "target_modules": "all-linear",
+                             "note": "the backbone was fine-tuned: output differs from the original model"}
+        if saved is not None and "lora" in saved:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(lora, saved["lora"])
+    params = list(module.parameters()) + ([p for p in lora.parameters() if p.requires_grad] if lora is not None else [])
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=min(config.warmup, config.steps),
                                                 num_training_steps=config.steps)
     # The scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it per process).
@@ -376,7 +403,8 @@ def train_heads(
     started = time.perf_counter()
 
     def run_eval() -> None:
-        r = evaluate(raw, target, eval_seqs, config=config, device=device, step=step, autocast=accelerator.autocast)
+        r = evaluate(raw, target, eval_seqs, config=config, device=device, step=step, autocast=accelerator.autocast,
+                     lora=lora)
         if r is not None:
             evals.append(r)
             if accelerator.is_main_process:
@@ -397,9 +425,15 @@ def train_heads(
             "evals": [asdict(e) for e in evals], "config": asdict(config),
             "fingerprint": heads.config.base_fingerprint, "vocab": vocab,
         }
+        if lora is not None:
+            from peft import get_peft_model_state_dict
+
+            state["lora"] = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(lora).items()}
         with _deferred_sigint():
             # Heads first, state last: the state names the step both belong to, and resume reads only the state.
             save_heads(Heads(config=heads.config, module=raw, draft_vocab=vocab), out)
+            if lora is not None:
+                _atomic_save_adapter(lora, out / "lora")
             _atomic_torch_save(state, state_path)
 
     last_saved = step
@@ -415,10 +449,10 @@ def train_heads(
                                     seed=config.seed)
                 batch = collate([train_seqs[i] for i in idx[rank::world]], lead=lead)
                 with accelerator.accumulate(module), accelerator.autocast():
-                    r = head_loss(module, target, batch, config=config, device=device)
+                    r = head_loss(module, target, batch, config=config, device=device, lora=lora)
                     accelerator.backward(r.loss)
                     if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(module.parameters(), 1.0)
+                        accelerator.clip_grad_norm_(params, 1.0)
                     optimizer.step()      # a no-op until the last micro-batch of the step (accelerate)
                     optimizer.zero_grad()
                 tokens_seen += int(accelerator.reduce(torch.tensor(int(batch.mask.sum()), device=device), "sum"))
@@ -438,20 +472,49 @@ def train_heads(
         checkpoint()
     except KeyboardInterrupt:
         bar.close()
+        _detach_lora(lora)
         print(f"interrupted at step {step}: the checkpoint of step {last_saved} in {out} is intact "
               f"(rerun with --resume to continue)", file=sys.stderr)
         return TrainResult(out=str(out), step=last_saved, tokens_seen=tokens_seen,
                            wall_s=wall_before + time.perf_counter() - started, evals=evals, interrupted=True)
     bar.close()
+    _detach_lora(lora)
     accelerator.wait_for_everyone()
     return TrainResult(out=str(out), step=step, tokens_seen=tokens_seen,
                        wall_s=wall_before + time.perf_counter() - started, evals=evals)
 
 
+def _attach_lora(model, rank: int):
+    """Wrap the frozen backbone's linear layers (not the LM head) with trainable LoRA adapters, in place."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", bias="none")
+    return get_peft_model(model, cfg)
+
+
+def _detach_lora(lora) -> None:
+    """Remove the adapters again (unmerged): the caller's model is left as it was given."""
+    if lora is not None:
+        lora.unload()
+
+
+def _atomic_save_adapter(lora, path: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-lora-"))
+    lora.save_pretrained(tmp)
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        import shutil
+
+        shutil.rmtree(old)
+
+
 def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: str, out: Path) -> None:
     """Refuse to resume a run whose heads have another shape, base model or draft vocabulary."""
     old = saved["config"]
-    diffs = [k for k in ("kind", "num_heads", "exit_layer", "draft_vocab_size") if old.get(k) != getattr(config, k)]
+    diffs = [k for k in ("kind", "num_heads", "exit_layer", "draft_vocab_size", "lora") if old.get(k, 0) != getattr(config, k)]
     if saved["fingerprint"] != fingerprint:
         diffs.append("base model")
     old_vocab = saved["vocab"]
@@ -474,7 +537,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
-             "lora": "Medusa-2 LoRA rank (not implemented yet)", "hard_weight": "cross-entropy weight on the target's tokens"}
+             "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)
         typ = {"int | None": int}.get(str(f.type), type(default) if default is not None else int)
