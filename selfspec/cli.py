@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-heads", help="fit Medusa heads or the early-exit head by self-distillation")
     add_train_heads_args(p)
     p.set_defaults(func=lambda a: 130 if run_train_heads(a).interrupted else 0)
+    from .training.draft import add_train_draft_args, run_train_draft
+
+    p = sub.add_parser("train-draft", help="distil the target's first L layers into a standalone draft model")
+    add_train_draft_args(p)
+    p.set_defaults(func=lambda a: 130 if run_train_draft(a).interrupted else 0)
     from .training.tune import add_tune_args, run_tune
 
     p = sub.add_parser("tune-tree", help="time candidate trees for trained heads on held-out prompts; keep the fastest")

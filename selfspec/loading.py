@@ -126,6 +126,11 @@ def resolve_source(name_or_path: str) -> tuple[str, str]:
         if not path.is_file():
             raise ModelNotFoundError(f"no such GGUF file: {name}")
         return str(gguf_to_cached_dir(path, path.stem)), path.stem
+    if path.is_dir() and (path / "selfspec_draft.json").is_file():
+        # A distilled draft stores only its trained tensors; rebuild the full model once (cached).
+        from .training.draft import materialize_draft
+
+        return str(materialize_draft(path)), name
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{name} is a directory but has no config.json: point at a Hugging Face model directory")

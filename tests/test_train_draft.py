@@ -146,6 +146,13 @@ def test_checkpoint_holds_only_trained_tensors_and_materializes(tmp_path, monkey
 
     monkeypatch.setattr("selfspec.loading.load_model", no_load)
     assert materialize_draft(out) == full
+    # selfspec's own loader (and so --draft-model / draft_model=) resolves the stored draft the same way.
+    monkeypatch.undo()
+    from selfspec.loading import load_model
+
+    loaded = load_model(str(out), device="cpu").model
+    for k, v in AutoModelForCausalLM.from_pretrained(full).state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v, msg=k)
     assert materialize_draft(full) == full  # an ordinary model directory is returned as is
 
 
