@@ -100,6 +100,24 @@ class Backbone:
             )
         return hidden
 
+    def clone_layer(self, index: int, *, residual_writes: bool) -> torch.nn.Module:
+        """A standalone copy of decoder layer ``index`` that keeps its KV in slot 0 of its own cache.
+
+        With ``residual_writes=False`` its attention output and MLP down projections are zeroed, so
+        the copy starts as the identity on the residual stream (an adapter that is untrained = absent).
+        """
+        import copy
+
+        layer = copy.deepcopy(self.layers[index])
+        layer.self_attn.layer_idx = 0
+        if not residual_writes:
+            with torch.no_grad():
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+        return layer
+
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
 

@@ -70,25 +70,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(backbone: Backbone, cache, prompt: torch.Tensor) -> TargetOut:
+def _all_layers(backbone: Backbone, h, *, position_ids, mask, cache, capture: int | None):
+    """layers[0:N], split at ``capture`` when a drafter wants those hidden states too (same cost)."""
+    if capture is None:
+        return backbone.run_layers(h, start=0, end=backbone.num_layers, position_ids=position_ids,
+                                   attention_mask=mask, cache=cache), None
+    mid = backbone.run_layers(h, start=0, end=capture, position_ids=position_ids, attention_mask=mask, cache=cache)
+    return backbone.run_layers(mid, start=capture, end=backbone.num_layers, position_ids=position_ids,
+                               attention_mask=mask, cache=cache), mid
+
+
+def prefill(backbone: Backbone, cache, prompt: torch.Tensor, *, capture: int | None = None) -> TargetOut:
     """Run the prompt (n,) through the full target; logits only for the last position."""
     # No mask: with an empty cache sdpa applies plain causal attention.
-    h = backbone.run_layers(backbone.embed(prompt), start=0, end=backbone.num_layers,
-                            position_ids=torch.arange(prompt.shape[0], device=prompt.device)[None],
-                            attention_mask=None, cache=cache)
+    h, mid = _all_layers(backbone, backbone.embed(prompt), mask=None, cache=cache, capture=capture,
+                         position_ids=torch.arange(prompt.shape[0], device=prompt.device)[None])
     normed = backbone.final_norm(h[:, -1:])
-    return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0])
+    return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
 
 
-def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft) -> TargetOut:
+def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: int | None = None) -> TargetOut:
     """ONE full-depth target pass over every tree node. Returns logits/hidden (n, V)/(n, H)."""
     tree, tokens = draft.tree, draft.tokens.to(backbone.device)
     positions = tree.position_ids(past_len)
     # A lone root sees the whole cache: no mask needed (and sdpa takes its fast path).
     mask = tree.attention_mask(past_len, dtype=backbone.dtype) if tree.size > 1 else None
     if draft.resume is None:
-        h = backbone.run_layers(backbone.embed(tokens), start=0, end=backbone.num_layers,
-                                position_ids=positions, attention_mask=mask, cache=cache)
+        h, mid = _all_layers(backbone, backbone.embed(tokens), position_ids=positions, mask=mask, cache=cache,
+                             capture=capture)
     else:
         # The drafter already ran layers[0:E] for the first m nodes (their KV is cached):
         # run those layers for the rest only, then layers[E:] for all nodes.
@@ -98,10 +107,11 @@ def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft) -> Ta
             rest = backbone.run_layers(backbone.embed(tokens[m:]), start=0, end=E, position_ids=positions[:, m:],
                                        attention_mask=None if mask is None else mask[:, :, m:], cache=cache)
             h = torch.cat([h, rest], dim=1)
+        mid = h if capture == E else None
         h = backbone.run_layers(h, start=E, end=backbone.num_layers, position_ids=positions,
                                 attention_mask=mask, cache=cache)
     normed = backbone.final_norm(h)
-    return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0])
+    return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
 
 
 def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None) -> Accepted:
@@ -142,7 +152,7 @@ def decode(
     _sync(dev)
     t0 = time.perf_counter()
     state = DecodeState(ids=prompt.tolist(), cache=kv.new_cache(), params=params, generator=generator)
-    out = prefill(backbone, state.cache, prompt.to(dev))
+    out = prefill(backbone, state.cache, prompt.to(dev), capture=drafter.capture_layer)
     first = int(out.logits[-1].argmax()) if not params.do_sample else int(
         sample(probs_from_logits(out.logits[-1], params), generator))
     state.ids.append(first)
@@ -159,7 +169,8 @@ def decode(
         draft = drafter.draft(state)                                              # DRAFT
         _sync(dev)
         t2 = time.perf_counter()
-        out = verify_forward(backbone, state.cache, state.past_len, draft)        # VERIFY
+        out = verify_forward(backbone, state.cache, state.past_len, draft,
+                             capture=drafter.capture_layer)                       # VERIFY
         accepted = accept(draft, out, params, generator)                          # ACCEPT
         committed = commit(state, draft, accepted)                                # COMMIT
         drafter.commit(state, accepted, out)

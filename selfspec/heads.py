@@ -37,7 +37,8 @@ class HeadsConfig:
     vocab_size: int
     num_heads: int = 0              # medusa
     exit_layer: int | None = None   # early-exit
-    intermediate_size: int = 0      # early-exit adapter width
+    adapter: str = "mlp"            # early-exit adapter: "mlp" (residual MLP) or "layer" (a decoder layer)
+    intermediate_size: int = 0      # early-exit "mlp" adapter width
     draft_vocab_size: int = 0       # 0 = the full vocabulary; else heads score only `draft_vocab` tokens
     lora: dict | None = None        # set when the backbone was fine-tuned with the heads (Medusa-2): output changes
     selfspec_version: str = __version__
@@ -85,6 +86,21 @@ class ExitHead(nn.Module):
         return hidden + self.down(nn.functional.silu(self.up(self.norm(hidden))))
 
 
+class ExitLayerHead(nn.Module):
+    """One decoder layer on layer-E hidden states, initialised from layer E with its residual writes
+    zeroed (untrained: plain early exit). Unlike the MLP it attends over earlier positions, so the
+    drafter keeps a KV cache for it (see drafters/early_exit.py). Output: final norm + LM head."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden, *, position_embeddings, position_ids=None, attention_mask=None, cache=None):
+        """(B, n, H) -> (B, n, H). Without a mask and cache, attention is causal over the n positions."""
+        return self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                          use_cache=cache is not None, position_embeddings=position_embeddings)
+
+
 @dataclass
 class Heads:
     config: HeadsConfig
@@ -92,11 +108,20 @@ class Heads:
     draft_vocab: torch.Tensor | None = None  # (V_draft,) token ids the heads may propose; None = all
 
 
-def build_heads(config: HeadsConfig) -> nn.Module:
+def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
+    """``model`` (the target) is needed only for the "layer" exit adapter, a copy of one of its layers."""
     if config.kind == "medusa":
         return MedusaHeads(config.hidden_size, config.num_heads)
-    if config.kind == "early-exit":
+    if config.kind == "early-exit" and config.adapter == "layer":
+        if model is None:
+            raise ValueError("a 'layer' exit adapter is built from the target model: pass model=")
+        from .backbone import Backbone
+
+        return ExitLayerHead(Backbone(model).clone_layer(config.exit_layer, residual_writes=False))
+    if config.kind == "early-exit" and config.adapter == "mlp":
         return ExitHead(config.hidden_size, config.intermediate_size)
+    if config.kind == "early-exit":
+        raise ValueError(f"unknown exit adapter {config.adapter!r}: expected 'mlp' or 'layer'")
     raise ValueError(f"unknown heads kind {config.kind!r}: expected one of {', '.join(KINDS)}")
 
 
@@ -117,7 +142,8 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
     os.replace(tmp, directory / "config.json")
 
 
-def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None) -> Heads:
+def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None,
+               model=None) -> Heads:
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
@@ -134,7 +160,7 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
         )
     tensors = load_file(directory / "model.safetensors")
     draft_vocab = tensors.pop("draft_vocab", None)
-    module = build_heads(config)
+    module = build_heads(config, model=model)
     module.load_state_dict(tensors)
     module.to(device=device, dtype=dtype).eval()
     if draft_vocab is not None:

@@ -41,19 +41,25 @@ class GenerateOutput:
 
 
 def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM_HEADS,
-                    exit_layer: int | None = None) -> Heads:
-    """Zero-initialised heads (Medusa heads repeat the target's next token; the exit head is plain early exit)."""
+                    exit_layer: int | None = None, adapter: str = "mlp", intermediate_size: int = 0) -> Heads:
+    """Initial heads: Medusa heads repeat the target's next token; an untrained exit adapter is plain early exit.
+
+    adapter: "mlp" (residual MLP, width ``intermediate_size`` or the hidden size) or "layer" (a copy of
+    decoder layer E with its residual writes zeroed).
+    """
     cfg = model.config
     n_layers = cfg.num_hidden_layers
+    exit_layer = (exit_layer if exit_layer is not None else n_layers // 2) if kind == "early-exit" else None
     config = HeadsConfig(
         kind=kind, base_model=name, base_fingerprint=config_fingerprint(cfg), hidden_size=cfg.hidden_size,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         num_heads=num_heads if kind == "medusa" else 0,
-        exit_layer=(exit_layer if exit_layer is not None else n_layers // 2) if kind == "early-exit" else None,
-        intermediate_size=cfg.hidden_size if kind == "early-exit" else 0,
+        exit_layer=exit_layer,
+        adapter=adapter if kind == "early-exit" else "mlp",
+        intermediate_size=(intermediate_size or cfg.hidden_size) if kind == "early-exit" and adapter == "mlp" else 0,
     )
     p = model.get_output_embeddings().weight
-    return Heads(config=config, module=build_heads(config).to(device=p.device, dtype=p.dtype).eval())
+    return Heads(config=config, module=build_heads(config, model=model).to(device=p.device, dtype=p.dtype).eval())
 
 
 def _tuned_tree(heads: Heads, fallback):
@@ -114,7 +120,8 @@ class SelfSpeculativeModel:
                               "speed-up); train some with `selfspec train-heads`", stacklevel=2)
                 head_obj = untrained_heads(drafter, model, loaded.name, num_heads=num_heads, exit_layer=exit_layer)
             else:
-                head_obj = load_heads(heads, expect_kind=drafter, fingerprint=fp, device=p.device, dtype=p.dtype)
+                head_obj = load_heads(heads, expect_kind=drafter, fingerprint=fp, device=p.device, dtype=p.dtype,
+                                      model=model)
                 if head_obj.config.lora:
                     cls._apply_lora(model, Path(heads), head_obj.config)
         elif drafter == "draft-model":

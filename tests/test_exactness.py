@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
+from selfspec import cache as kv
 from selfspec.backbone import Backbone
 from selfspec.decode import decode
 from selfspec.drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
@@ -151,3 +152,40 @@ def test_eos_and_max_new_tokens_are_respected():
         new, _ = decode(Backbone(model), drafter, ids[0], params=GREEDY, max_new_tokens=limit, eos_token_ids=set(),
                         generator=None)
         assert new == ref[:limit]
+
+
+def _layer_adapter_heads(model, exit_layer: int, noise: float):
+    """A decoder-layer exit adapter with small random residual writes (a stand-in for a trained one)."""
+    heads = untrained_heads("early-exit", model, "t", exit_layer=exit_layer, adapter="layer")
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for proj in (heads.module.layer.self_attn.o_proj, heads.module.layer.mlp.down_proj):
+            proj.weight.copy_(torch.randn(proj.weight.shape, generator=g) * noise)
+    return heads
+
+
+@pytest.mark.parametrize("tree", [chain(3), chain_with_siblings(3, 2)])
+@pytest.mark.parametrize("scale", [0.0, 1.0])
+def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, scale):
+    """The layer adapter's own KV cache must equal a from-scratch pass over the committed tokens,
+    whatever was accepted (full chains, partial chains, sibling leaves)."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    _identity_upper_layers(model, 3, scale)
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=5)
+    ref = hf_greedy(model, ids, N_NEW)
+    drafter = EarlyExitDrafter(bb, _layer_adapter_heads(model, 3, 0.05), build_tree(tree))
+    out, stats = _run(model, drafter, ids)
+    assert torch.equal(out, ref)
+    if scale == 0.0:
+        assert stats.tau > 2.0  # deep acceptance: the commit path that fills in unseen nodes is exercised
+    seq = out[:, : drafter.adapter_cache.layers[0].keys.shape[2]]
+    with torch.no_grad():
+        h_e = model(seq, output_hidden_states=True).hidden_states[3]
+        pos = torch.arange(seq.shape[1])[None]
+        fresh = kv.new_cache()
+        drafter.heads.module(h_e, position_embeddings=bb.rotary_emb(h_e, position_ids=pos), position_ids=pos,
+                             cache=fresh)
+    n = seq.shape[1]
+    torch.testing.assert_close(drafter.adapter_cache.layers[0].keys[:, :, :n], fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.adapter_cache.layers[0].values[:, :, :n], fresh.layers[0].values, atol=1e-4, rtol=1e-4)

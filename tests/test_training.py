@@ -225,18 +225,20 @@ def test_lora_medusa2_trains_saves_adapter_and_leaves_the_callers_model_alone(tm
         train_heads(model, ds, config=_cfg(tmp_path, "l", lora=4, num_heads=2), name="tiny", progress=False, resume=True)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "early-exit"])
-def test_end_to_end_trained_heads_learn_and_stay_exact(tmp_path, kind):
+@pytest.mark.parametrize("kind,adapter", [("medusa", "mlp"), ("early-exit", "mlp"), ("early-exit", "layer")])
+def test_end_to_end_trained_heads_learn_and_stay_exact(tmp_path, kind, adapter):
     torch.set_num_threads(1)
     model = tiny_model(seed=2)
     ds = _self_generated(model)
-    cfg = _cfg(tmp_path, kind, kind=kind, num_heads=4, steps=30, lr=3e-2 if kind == "medusa" else 3e-3, warmup=3, batch_size=6, draft_vocab_size=48,
+    cfg = _cfg(tmp_path, kind, kind=kind, exit_adapter=adapter, num_heads=4, steps=30,
+               lr=3e-2 if kind == "medusa" else 3e-3, warmup=3, batch_size=6, draft_vocab_size=48,
                eval_fraction=0.25, eval_every=10, save_every=15)
     result = train_heads(model, ds, config=cfg, name="tiny", progress=False)
     assert result.evals[0].step == 0 and result.evals[-1].step == 30
     assert result.evals[-1].loss < 0.9 * result.evals[0].loss, [e.loss for e in result.evals]
 
-    heads = load_heads(cfg.out, expect_kind=kind, fingerprint=config_fingerprint(model.config))
+    heads = load_heads(cfg.out, expect_kind=kind, fingerprint=config_fingerprint(model.config), model=model)
+    assert heads.config.adapter == adapter
     assert heads.draft_vocab.numel() == 48 and heads.config.draft_vocab_size == 48
     assert heads.config.extra["steps"] == 30 and heads.config.extra["tokens_seen"] > 0
     sm = SelfSpeculativeModel(model, None, drafter_name=kind, heads=heads, tree="auto", name="tiny")

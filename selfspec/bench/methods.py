@@ -71,7 +71,7 @@ def build_methods(
         notes[kind] = str(path)
         p = model.get_output_embeddings().weight
         return load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config), device=p.device,
-                          dtype=p.dtype)
+                          dtype=p.dtype, model=model)
 
     needs_draft = {"hf-assisted", "selfspec-draft-model"} & set(names)
     if needs_draft and draft_model is None:

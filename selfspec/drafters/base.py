@@ -49,6 +49,7 @@ class Draft:
 class TargetOut:
     logits: torch.Tensor   # (n, V) target logits after each node
     hidden: torch.Tensor   # (n, H) final post-norm hidden states
+    captured: torch.Tensor | None = None  # (1, n, H) after layer ``Drafter.capture_layer``, if it asked
 
 
 class Drafter:
@@ -56,6 +57,7 @@ class Drafter:
 
     name: str = "?"
     heads = None  # a heads.Heads for drafters with trainable heads
+    capture_layer: int | None = None  # ask the target passes for the hidden states after this many layers
 
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""

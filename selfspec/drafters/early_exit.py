@@ -8,6 +8,13 @@ and any sibling leaves). This is LayerSkip's reuse of the draft's KV in verifica
 
 Tree: a chain of k (nodes 1..k first, so node order matches the order the cache was written
 in), optionally with width - 1 alternative leaves per depth from the same exit distribution.
+
+Exit adapters: a residual MLP is stateless. A decoder-layer adapter attends over earlier
+positions, so it keeps its own one-layer KV cache with the same invariant as the target's
+(every committed token but the pending one): filled from the prompt's layer-E states at
+prefill, extended while drafting, and after each step cut back to the accepted path, plus the
+one accepted node it never saw (the last chain draft or a sibling leaf), from the layer-E states
+the verification pass captured.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import torch
 from torch.nn import functional as F
 
 from ..backbone import Backbone
-from ..heads import Heads
+from .. import cache as kv
+from ..heads import ExitLayerHead, Heads
 from ..tree import Tree
-from .base import DecodeState, Draft, Drafter, Resume, layout, lm_head_rows, row_candidates, tree_width
+from ..verify import Accepted
+from .base import DecodeState, Draft, Drafter, Resume, TargetOut, layout, lm_head_rows, row_candidates, tree_width
 
 
 class EarlyExitDrafter(Drafter):
@@ -40,6 +49,37 @@ class EarlyExitDrafter(Drafter):
         self.width = tree_width(tree)
         self.vocab = heads.draft_vocab
         self.weight = lm_head_rows(backbone, self.vocab)  # (V_draft, H)
+        self.stateful = isinstance(heads.module, ExitLayerHead)
+        self.capture_layer = exit_layer if self.stateful else None
+        self.adapter_cache = kv.new_cache()
+
+    def _adapt(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        """Exit adapter on layer-E states (1, n, H) at positions start.. ; a layer adapter appends its KV."""
+        if not self.stateful:
+            return self.heads.module(h)
+        pos = torch.arange(start, start + h.shape[1], device=h.device)[None]
+        # No mask: n == 1 sees its whole cache; n > 1 only at prefill, on an empty cache (causal).
+        return self.heads.module(h, position_embeddings=self.backbone.rotary_emb(h, position_ids=pos),
+                                 position_ids=pos, cache=self.adapter_cache)
+
+    @torch.no_grad()
+    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
+        if self.stateful:
+            self.adapter_cache = kv.new_cache()
+            self._adapt(prefill.captured, 0)
+
+    @torch.no_grad()
+    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+        if not self.stateful:
+            return
+        past = state.past_len - len(accepted.path)     # the cache length before this step
+        k = self.tree.depth
+        # Drafting ran the adapter on chain nodes 0..k-1; the path is 0, 1, .., j (+ a sibling leaf).
+        seen = sum(1 for node in accepted.path if node < k)
+        kv.truncate(self.adapter_cache, past + seen)
+        missing = list(accepted.path[seen:])            # at most one node: chain node k or a leaf
+        if missing:
+            self._adapt(out.captured[:, missing], past + seen)
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:
@@ -53,7 +93,7 @@ class EarlyExitDrafter(Drafter):
                               position_ids=torch.tensor([[past + j]], device=bb.device),
                               attention_mask=None, cache=state.cache)          # (1, 1, H)
             hiddens.append(h)
-            z = F.linear(bb.final_norm(self.heads.module(h[0])), self.weight)  # (1, V_draft)
+            z = F.linear(bb.final_norm(self._adapt(h, past + j)[0]), self.weight)  # (1, V_draft)
             cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=state)
             rows.append(cand.tokens)
             qs.append(cand.q)

@@ -69,6 +69,8 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 500
     seed: int = 0
+    exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
+    exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     out: str = "heads-out"
 
@@ -232,22 +234,30 @@ def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, devi
         out = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
         final = pick(out.last_hidden_state)                     # (B, W, H) post-norm
         teacher = F.linear(final, target.weight)                # (B, W, V_sub)
-        source = pick(out.hidden_states[target.exit_layer]) if early else final
+        full_e = out.hidden_states[target.exit_layer] if early else None  # (B, L, H)
     mask, next_tokens = batch.mask.to(device), batch.next_tokens.to(device)
     backbone_kl = None
     if lora is not None:
         student = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
         s_final = pick(student.last_hidden_state)
-        source = pick(student.hidden_states[target.exit_layer]) if early else s_final
+        full_e = student.hidden_states[target.exit_layer] if early else None
         w_full = bb.lm_head.weight
         t_logp = F.log_softmax(F.linear(final, w_full).float(), -1)      # (B, W, V)
         s_logp = F.log_softmax(F.linear(s_final, w_full).float(), -1)
         kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)                  # (B, W)
         backbone_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
-    if early:
-        z = F.linear(bb.final_norm(module(source)), target.weight)  # (B, W, V_sub)
+    if early and config.exit_adapter == "layer":
+        # The layer adapter attends over earlier positions: run it causally on the whole sequence
+        # (right padding only follows the real tokens), then read the window.
+        pos = torch.arange(full_e.shape[1], device=device)[None].expand(full_e.shape[0], -1)
+        adapted = module(full_e, position_embeddings=bb.rotary_emb(full_e, position_ids=pos), position_ids=pos)
+        z = F.linear(bb.final_norm(pick(adapted)), target.weight)  # (B, W, V_sub)
+        r = exit_loss(z, teacher, mask, hard_tokens=next_tokens, hard_weight=config.hard_weight, vocab=target.vocab)
+    elif early:
+        z = F.linear(bb.final_norm(module(pick(full_e))), target.weight)  # (B, W, V_sub)
         r = exit_loss(z, teacher, mask, hard_tokens=next_tokens, hard_weight=config.hard_weight, vocab=target.vocab)
     else:
+        source = s_final if lora is not None else final
         z = F.linear(module(source), target.weight)  # (B, W, K, V_sub)
         r = medusa_loss(z, teacher, mask, weight_decay_base=config.head_weight_base, hard_tokens=next_tokens,
                         hard_weight=config.hard_weight, vocab=target.vocab)
@@ -361,10 +371,14 @@ def train_heads(
     vocab_size = model.get_output_embeddings().weight.shape[0]
     vocab = frequent_vocab(dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
-    heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer)
+    if config.exit_adapter not in ("mlp", "layer"):
+        raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
+    heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
+                            adapter=config.exit_adapter, intermediate_size=config.exit_intermediate)
     heads.config.draft_vocab_size = 0 if vocab is None else int(vocab.numel())
     heads.draft_vocab = vocab
-    module = heads.module.to(device=device, dtype=torch.float32).train()  # fp32 master weights; autocast on CUDA
+    # fp32 master weights (autocast on CUDA); trainable even where copied from the frozen backbone (layer adapter).
+    module = heads.module.to(device=device, dtype=torch.float32).requires_grad_(True).train()
 
     saved = torch.load(state_path, map_location="cpu", weights_only=True) if resume and state_path.is_file() else None
     if saved is not None:
@@ -514,7 +528,9 @@ def _atomic_save_adapter(lora, path: Path) -> None:
 def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: str, out: Path) -> None:
     """Refuse to resume a run whose heads have another shape, base model or draft vocabulary."""
     old = saved["config"]
-    diffs = [k for k in ("kind", "num_heads", "exit_layer", "draft_vocab_size", "lora") if old.get(k, 0) != getattr(config, k)]
+    keys = ("kind", "num_heads", "exit_layer", "exit_adapter", "exit_intermediate", "draft_vocab_size", "lora")
+    defaults = TrainConfig()
+    diffs = [k for k in keys if old.get(k, getattr(defaults, k)) != getattr(config, k)]
     if saved["fingerprint"] != fingerprint:
         diffs.append("base model")
     old_vocab = saved["vocab"]

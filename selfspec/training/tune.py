@@ -154,7 +154,7 @@ def run_tune(args) -> int:
     if kind is None:
         raise ValueError(f"{args.heads} is not a heads directory")
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
-                       device=p.device, dtype=p.dtype)
+                       device=p.device, dtype=p.dtype, model=loaded.model)
     seqs = heldout_sequences(args.data, heads)
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats)
