@@ -41,6 +41,7 @@ class HeadsConfig:
     intermediate_size: int = 0      # early-exit "mlp" adapter width
     draft_vocab_size: int = 0       # 0 = the full vocabulary; else heads score only `draft_vocab` tokens
     lora: dict | None = None        # set when the backbone was fine-tuned with the heads (Medusa-2): output changes
+    storage_dtype: str = "float32"  # how model.safetensors stores floating tensors (float16 halves a checkpoint)
     selfspec_version: str = __version__
     extra: dict = field(default_factory=dict)  # training provenance (data, steps, accuracy)
 
@@ -129,7 +130,11 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
     """Write config.json + model.safetensors atomically (temporary files, then rename)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in heads.module.state_dict().items()}
+    store = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(heads.config.storage_dtype)
+    if store is None:
+        raise ValueError(f"storage_dtype must be float32, float16 or bfloat16 (got {heads.config.storage_dtype!r})")
+    tensors = {k: (v.to(store) if v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in heads.module.state_dict().items()}
     if heads.draft_vocab is not None:
         tensors["draft_vocab"] = heads.draft_vocab.detach().cpu().to(torch.int64)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".safetensors.tmp")
@@ -161,7 +166,7 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
     tensors = load_file(directory / "model.safetensors")
     draft_vocab = tensors.pop("draft_vocab", None)
     module = build_heads(config, model=model)
-    module.load_state_dict(tensors)
+    module.load_state_dict(tensors)  # copies into the module's own (float32) parameters
     module.to(device=device, dtype=dtype).eval()
     if draft_vocab is not None:
         draft_vocab = draft_vocab.to(device)

@@ -56,6 +56,12 @@ def test_heads_roundtrip_and_mismatch_refused(tmp_path):
     assert cfg["kind"] == "medusa" and cfg["num_heads"] == 4 and cfg["base_fingerprint"] == config_fingerprint(model.config)
     back = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=config_fingerprint(model.config))
     assert torch.equal(back.module.blocks[0].linear.weight, heads.module.blocks[0].linear.weight)
+    heads.config.storage_dtype = "float16"
+    save_heads(heads, tmp_path / "h16")
+    half = load_heads(tmp_path / "h16", expect_kind="medusa", fingerprint=config_fingerprint(model.config))
+    torch.testing.assert_close(half.module.blocks[0].linear.weight, heads.module.blocks[0].linear.weight, atol=2e-3, rtol=1e-3)
+    assert half.module.blocks[0].linear.weight.dtype == torch.float32 and half.config.storage_dtype == "float16"
+    assert (tmp_path / "h16" / "model.safetensors").stat().st_size < 0.6 * (tmp_path / "h" / "model.safetensors").stat().st_size
     other = tiny_model(hidden_size=48)
     with pytest.raises(ValueError, match="does not match this model"):
         load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=config_fingerprint(other.config))

@@ -71,6 +71,7 @@ class TrainConfig:
     seed: int = 0
     exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
     exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
+    save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     out: str = "heads-out"
 
@@ -376,6 +377,7 @@ def train_heads(
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
                             adapter=config.exit_adapter, intermediate_size=config.exit_intermediate)
     heads.config.draft_vocab_size = 0 if vocab is None else int(vocab.numel())
+    heads.config.storage_dtype = config.save_dtype
     heads.draft_vocab = vocab
     # fp32 master weights (autocast on CUDA); trainable even where copied from the frozen backbone (layer adapter).
     module = heads.module.to(device=device, dtype=torch.float32).requires_grad_(True).train()
