@@ -14,6 +14,12 @@ from selfspec.model import SelfSpeculativeModel
 from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
 from selfspec.training.train import STATE_FILE, TrainConfig, collate, frequent_vocab, to_sequences, train_heads
 
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path, monkeypatch):
+    """Feature caches and other artefacts go to a per-test SELFSPEC_HOME, not the user's."""
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+
+
 # ---------------------------------------------------------------------------------------------- losses
 
 
@@ -272,3 +278,30 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     assert sm.drafter.tree.paths == tuple(tuple(p) for p in best)
     prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
     assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
+
+
+@pytest.mark.parametrize("kind,adapter", [("medusa", "mlp"), ("early-exit", "layer")])
+def test_cached_features_give_the_losses_of_a_live_backbone_pass(tmp_path, kind, adapter):
+    from selfspec.training.train import evaluate, extract_features, feature_cache_path, target_view
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=3)
+    ds = _self_generated(model, n=8, new=10)
+    seqs = to_sequences(ds, max_len=1024)
+    cfg = _cfg(tmp_path, "f", kind=kind, exit_adapter=adapter, num_heads=3, batch_size=3)
+    from selfspec.model import untrained_heads
+
+    heads = untrained_heads(kind, model, "tiny", num_heads=3, exit_layer=2, adapter=adapter)
+    with torch.no_grad():  # non-trivial heads, so the comparison means something
+        for p in heads.module.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    target = target_view(model, vocab=None, exit_layer=2 if kind == "early-exit" else None)
+    feats = extract_features(model, seqs, exit_layer=2, batch_size=3, device="cpu", progress=False)
+    assert feature_cache_path(model, seqs, exit_layer=2).is_file()
+    live = evaluate(heads.module, target, seqs, config=cfg, device="cpu", step=0)
+    cached = evaluate(heads.module, target, seqs, config=cfg, device="cpu", step=0, features=feats,
+                      feature_ids=list(range(len(seqs))))
+    assert cached.loss == pytest.approx(live.loss, rel=2e-2, abs=1e-3)   # float16 storage, nothing else
+    assert cached.top1 == pytest.approx(live.top1, abs=0.05)
+    again = extract_features(model, seqs, exit_layer=2, batch_size=3, device="cpu", progress=False)
+    assert torch.equal(again.final[0], feats.final[0])  # read back from disk

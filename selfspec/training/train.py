@@ -71,6 +71,7 @@ class TrainConfig:
     seed: int = 0
     exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
     exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
+    cache_features: bool = True       # one backbone pass up front, kept on disk; epochs then cost only the heads
     save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     out: str = "heads-out"
@@ -219,7 +220,71 @@ def target_view(model, *, vocab: torch.Tensor | None, exit_layer: int | None) ->
     return Target(backbone=bb, vocab=vocab, weight=w, exit_layer=exit_layer)
 
 
-def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, device, lora=None) -> HeadLoss:
+@dataclass
+class FeatureCache:
+    """The frozen backbone's hidden states for every sequence, computed once (float16, CPU).
+
+    With the backbone frozen, its forward is the same in every epoch and dominates the cost of a
+    step on CPU (the heads are small), so it is done once and reused by every epoch and by both
+    head kinds (the cache holds the final post-norm states and the states after layer E).
+    """
+
+    final: list[torch.Tensor]   # per sequence (L_i, H) post-norm last hidden state
+    exit: list[torch.Tensor]    # per sequence (L_i, H) after layer E
+
+    def gather(self, ids: list[int], *, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded (B, L, H) float32 tensors for sequences ``ids`` (padding rows are zeros)."""
+        def pad(rows):
+            L = max(r.shape[0] for r in rows)
+            out = torch.zeros(len(rows), L, rows[0].shape[1])
+            for i, r in enumerate(rows):
+                out[i, : r.shape[0]] = r.float()
+            return out.to(device)
+        return pad([self.final[i] for i in ids]), pad([self.exit[i] for i in ids])
+
+
+def feature_cache_path(model, seqs: list[Sequence], *, exit_layer: int) -> Path:
+    """Where the features of these sequences live under $SELFSPEC_HOME (keyed by model, data and E)."""
+    import hashlib
+
+    from ..backbone import config_fingerprint
+    from ..loading import selfspec_home
+
+    h = hashlib.sha1(f"{config_fingerprint(model.config)}:{exit_layer}".encode())
+    for s in seqs:
+        h.update(s.ids.numpy().tobytes())
+        h.update(str(s.response_start).encode())
+    return selfspec_home() / "features" / f"{h.hexdigest()[:20]}.pt"
+
+
+@torch.no_grad()
+def extract_features(model, seqs: list[Sequence], *, exit_layer: int, batch_size: int, device,
+                     progress: bool = True) -> FeatureCache:
+    """One no-grad backbone pass over ``seqs`` (length-sorted batches: little padding), or a cached copy."""
+    path = feature_cache_path(model, seqs, exit_layer=exit_layer)
+    if path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return FeatureCache(final=saved["final"], exit=saved["exit"])
+    final: list = [None] * len(seqs)
+    exit_: list = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    inner = Backbone(model).model.model
+    for lo in tqdm(range(0, len(order), batch_size), desc="backbone features", disable=not progress, file=sys.stderr):
+        idx = order[lo : lo + batch_size]
+        b = collate([seqs[i] for i in idx], lead=0)
+        out = inner(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device),
+                    output_hidden_states=True, use_cache=False)
+        for j, i in enumerate(idx):
+            n = len(seqs[i].ids)
+            final[i] = out.last_hidden_state[j, :n].to("cpu", torch.float16)
+            exit_[i] = out.hidden_states[exit_layer][j, :n].to("cpu", torch.float16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save({"final": final, "exit": exit_}, path)
+    return FeatureCache(final=final, exit=exit_)
+
+
+def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, device, lora=None,
+              features: tuple[torch.Tensor, torch.Tensor] | None = None) -> HeadLoss:
     """Frozen target forward (no grad) on the batch, then heads forward + loss on the window.
 
     With ``lora`` (a peft model wrapping the backbone, Medusa-2): the teacher is the ORIGINAL model
@@ -232,10 +297,14 @@ def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, devi
     early = config.kind == "early-exit"
     pick = lambda h: h.gather(1, window[..., None].expand(-1, -1, h.shape[-1]))  # noqa: E731  (B, L, H) -> (B, W, H)
     with torch.no_grad(), (lora.disable_adapter() if lora is not None else contextlib.nullcontext()):
-        out = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
-        final = pick(out.last_hidden_state)                     # (B, W, H) post-norm
+        if features is not None:  # cached backbone states (B, L, H): (final post-norm, after layer E)
+            final_full, full_e = features
+        else:
+            out = bb.model.model(input_ids=ids, attention_mask=am, output_hidden_states=early, use_cache=False)
+            final_full = out.last_hidden_state
+            full_e = out.hidden_states[target.exit_layer] if early else None  # (B, L, H)
+        final = pick(final_full)                                # (B, W, H) post-norm
         teacher = F.linear(final, target.weight)                # (B, W, V_sub)
-        full_e = out.hidden_states[target.exit_layer] if early else None  # (B, L, H)
     mask, next_tokens = batch.mask.to(device), batch.next_tokens.to(device)
     backbone_kl = None
     if lora is not None:
@@ -267,7 +336,8 @@ def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, devi
 
 @torch.no_grad()
 def evaluate(module, target: Target, seqs: list[Sequence], *, config: TrainConfig, device, step: int,
-             autocast=contextlib.nullcontext, lora=None) -> EvalResult | None:
+             autocast=contextlib.nullcontext, lora=None, features: FeatureCache | None = None,
+             feature_ids: list[int] | None = None) -> EvalResult | None:
     if not seqs:
         return None
     was_training = module.training
@@ -276,8 +346,9 @@ def evaluate(module, target: Target, seqs: list[Sequence], *, config: TrainConfi
     loss_sum, n_batches, correct1, correct5, count = 0.0, 0, 0.0, 0.0, 0.0
     for lo in range(0, len(seqs), config.batch_size):
         with autocast():
+            feats = None if features is None else features.gather(feature_ids[lo : lo + config.batch_size], device=device)
             r = head_loss(module, target, collate(seqs[lo : lo + config.batch_size], lead=lead), config=config,
-                          device=device, lora=lora)
+                          device=device, lora=lora, features=feats)
         loss_sum += float(r.loss)
         n_batches += 1
         correct1, correct5, count = correct1 + r.top1 * r.count, correct5 + r.top5 * r.count, count + r.count
@@ -413,6 +484,12 @@ def train_heads(
         log.info("resumed %s at step %d", out, step)
 
     target = target_view(model, vocab=vocab, exit_layer=exit_layer)
+    features = None
+    if config.cache_features and lora is None:
+        # Features for the default exit layer too when training Medusa, so both kinds share one pass.
+        features = extract_features(model, seqs, exit_layer=exit_layer if exit_layer is not None else n_layers // 2,
+                                    batch_size=config.batch_size, device=device,
+                                    progress=progress and accelerator.is_main_process)
     lead = config.num_heads if config.kind == "medusa" else 0
     world, rank = accelerator.num_processes, accelerator.process_index
     raw = accelerator.unwrap_model(module)
@@ -420,7 +497,7 @@ def train_heads(
 
     def run_eval() -> None:
         r = evaluate(raw, target, eval_seqs, config=config, device=device, step=step, autocast=accelerator.autocast,
-                     lora=lora)
+                     lora=lora, features=features, feature_ids=eval_idx)
         if r is not None:
             evals.append(r)
             if accelerator.is_main_process:
@@ -463,9 +540,11 @@ def train_heads(
                 global_micro = step * config.grad_accum + micro
                 idx = batch_indices(len(train_seqs), micro_step=global_micro, batch_size=config.batch_size * world,
                                     seed=config.seed)
-                batch = collate([train_seqs[i] for i in idx[rank::world]], lead=lead)
+                mine = idx[rank::world]
+                batch = collate([train_seqs[i] for i in mine], lead=lead)
+                feats = None if features is None else features.gather([train_idx[i] for i in mine], device=device)
                 with accelerator.accumulate(module), accelerator.autocast():
-                    r = head_loss(module, target, batch, config=config, device=device, lora=lora)
+                    r = head_loss(module, target, batch, config=config, device=device, lora=lora, features=feats)
                     accelerator.backward(r.loss)
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(params, 1.0)
