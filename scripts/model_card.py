@@ -1,0 +1,89 @@
+"""Write a checkpoint's model card (README.md) from what was recorded, never from typed-in numbers.
+
+    python scripts/model_card.py checkpoints/smollm2-135m/medusa --bench bench-out/dev/results.json \
+        --method selfspec-medusa --hardware "2-core CPU (no GPU)"
+
+Training facts come from the heads' config.json (``extra``: data, steps, tokens, wall time,
+held-out accuracy, tree search); tau and speed on dev prompts from a ``selfspec bench`` results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _pct(xs) -> str:
+    return " / ".join(f"{x:.1%}" for x in xs) if xs else "-"
+
+
+def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    extra = cfg.get("extra") or {}
+    tc = extra.get("train_config") or {}
+    ev = extra.get("eval") or {}
+    kind = cfg["kind"]
+    lines = [f"# {ckpt.name}: {kind} heads for `{cfg['base_model']}`", ""]
+    if kind == "medusa":
+        lines.append(f"{cfg['num_heads']} Medusa heads (zero-initialised residual blocks on the last hidden state, "
+                     f"sharing the target's LM head).")
+    else:
+        lines.append(f"Exit adapter `{cfg.get('adapter', 'mlp')}` on the hidden states after the first "
+                     f"{cfg['exit_layer']} decoder layers (final norm and LM head shared with the target).")
+    if cfg.get("draft_vocab_size"):
+        lines.append(f"Draft vocabulary: the {cfg['draft_vocab_size']} most frequent response tokens.")
+    if cfg.get("lora"):
+        lines.append("**The backbone was fine-tuned with LoRA (Medusa-2): generation follows the fine-tuned model, "
+                     "not the original.**")
+    else:
+        lines.append("The backbone is untouched: greedy output is token-identical to the original model.")
+    lines += ["", "## Training", "",
+              f"- data: `{extra.get('data')}` (self-distillation: the target's own greedy answers to prompts of "
+              f"`../shared/data/prompts/train.jsonl`; dev prompts never used)",
+              f"- steps: {extra.get('steps')} (batch {tc.get('batch_size')} x accumulation {tc.get('grad_accum')}), "
+              f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine",
+              f"- response tokens seen: {extra.get('tokens_seen')}",
+              f"- wall time: {extra.get('wall_s')} s on {hardware} (the one-off backbone feature pass not included)",
+              f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
+              f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions", ""]
+    ts = extra.get("tree_search")
+    if ts:
+        lines += ["## Tree (tree=\"auto\")", "",
+                  f"Chosen by `selfspec tune-tree` on {ts['held_out_prompts']} held-out training prompts "
+                  f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads):", "",
+                  "| nodes | tokens/s | tau |", "|---|---|---|"]
+        for c in ts["candidates"]:
+            lines.append(f"| {c['size']} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |")
+        lines.append("")
+    if bench and method:
+        m = bench["methods"][method]
+        c = bench["config"]
+        acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or [])
+        lines += ["## Measured on dev prompts", "",
+                  f"`{c.get('command')}`", "",
+                  f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
+                  f"{c['device']}, {c['threads']} threads, {c['dtype']}:", "",
+                  f"- tau (mean accepted length, bonus counted): {m['tau']:.2f}",
+                  f"- acceptance by depth: {acc}",
+                  f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
+                  f"(median per prompt {m['speedup_median']:.2f}x)",
+                  f"- identical to transformers greedy: {m['identical']}", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("--bench", default=None, help="results.json of a selfspec bench run")
+    ap.add_argument("--method", default=None, help="the bench method these heads were measured as")
+    ap.add_argument("--hardware", default="2-core CPU (no GPU)")
+    a = ap.parse_args()
+    bench = json.loads(Path(a.bench).read_text()) if a.bench else None
+    ckpt = Path(a.checkpoint)
+    (ckpt / "README.md").write_text(card(ckpt, bench, a.method, a.hardware))
+    print(f"wrote {ckpt / 'README.md'}")
+
+
+if __name__ == "__main__":
+    main()
