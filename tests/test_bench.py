@@ -42,6 +42,11 @@ def test_prompt_loading_errors(tmp_path):
     f.write_text('{"prompt": "a", "category": "x"}\n{"prompt": "b"}\n')
     ps = load_prompts(f)
     assert [p.category for p in ps] == ["x", "all"] and len(load_prompts(f, limit=1)) == 1
+    f.write_text("".join(f'{{"prompt": "p{i}", "id": "{i}"}}\n' for i in range(20)))
+    picked = load_prompts(f, sample=5, seed=1)
+    assert len(picked) == 5 and [int(p.id) for p in picked] == sorted(int(p.id) for p in picked)
+    assert [p.id for p in load_prompts(f, sample=5, seed=1)] == [p.id for p in picked]   # reproducible
+    assert [p.id for p in load_prompts(f, sample=5, seed=2)] != [p.id for p in picked]
     f.write_text('{"text": "a"}\n')
     with pytest.raises(ValueError, match="no \"prompt\""):
         load_prompts(f)

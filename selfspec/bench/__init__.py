@@ -15,6 +15,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompts", required=True, help="JSONL with \"prompt\" and optional \"category\"")
     p.add_argument("--limit", type=int, default=None, help="first N prompts")
+    p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts (with --seed), in file order")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="all", help=f"comma list from: {', '.join(ALL_METHODS)}")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical-output check on)")
@@ -45,7 +46,9 @@ def run_bench_cli(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
     names = parse_methods(args.methods)
-    prompts = load_prompts(args.prompts, limit=args.limit)
+    if args.sample is not None and args.sample < 1:
+        raise ValueError("--sample must be >= 1")
+    prompts = load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -72,6 +75,7 @@ def run_bench_cli(args) -> int:
         "config": {
             "model": loaded.name, "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
+            "sample": args.sample,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "chat_template": chat,
             "methods": names, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),

@@ -53,7 +53,19 @@ class Method:
     runs: dict[str, Run] = field(default_factory=dict)
 
 
-def load_prompts(path: str | Path, *, limit: int | None = None) -> list[Prompt]:
+def load_prompts(path: str | Path, *, limit: int | None = None, sample: int | None = None, seed: int = 0) -> list[Prompt]:
+    """Prompts from a JSONL file: the first ``limit``, or a seeded random ``sample`` (kept in file order,
+    so a file sorted by category is still covered evenly)."""
+    prompts = _read_prompts(path, limit=limit)
+    if sample is not None and sample < len(prompts):
+        import random
+
+        keep = sorted(random.Random(seed).sample(range(len(prompts)), sample))
+        prompts = [prompts[i] for i in keep]
+    return prompts
+
+
+def _read_prompts(path: str | Path, *, limit: int | None) -> list[Prompt]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompts file {path} not found: give a JSONL file with one {{\"prompt\": ...}} per line")
