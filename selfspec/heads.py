@@ -145,6 +145,8 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(asdict(heads.config), f, indent=2)
     os.replace(tmp, directory / "config.json")
+    for name in ("model.safetensors", "config.json"):  # mkstemp makes 0600 files; heads are meant to be shared
+        os.chmod(directory / name, 0o644)
 
 
 def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None,
