@@ -19,7 +19,7 @@ import torch
 
 from .backbone import Backbone, config_fingerprint
 from .decode import DecodeStats, decode
-from .drafters import DRAFTERS, DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter, check_drafter_name
+from .drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter, check_drafter_name
 from .heads import Heads, HeadsConfig, build_heads, load_heads, save_heads
 from .loading import load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams

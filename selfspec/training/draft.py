@@ -64,6 +64,7 @@ from .train import (
     batch_indices,
     collate,
     frequent_vocab,
+    run_module,
     split_eval,
     target_view,
     to_sequences,
@@ -482,25 +483,13 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
     result = train_draft(loaded.model, dataset, layers=args.layers, config=config, name=loaded.name,
                          tokenizer=loaded.tokenizer, eos_token_ids=eos, data_dir=str(data_dir), resume=args.resume,
                          progress=not args.no_progress)
-    last = result.evals[-1].line() if result.evals else "no eval split"
-    rate = result.tokens_seen / result.wall_s if result.wall_s > 0 else 0.0
-    status = "interrupted" if result.interrupted else "done"
-    print(f"train-draft {status}: L={args.layers} step {result.step}, {result.tokens_seen} tokens in {result.wall_s:.0f} s "
-          f"({rate:.0f} tok/s) -> {result.out}; {last}", flush=True)
+    print(result.summary(f"train-draft L={args.layers}"), flush=True)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_train_draft_args(argparse.ArgumentParser(prog="python -m selfspec.training.draft",
-                                                          description=__doc__.splitlines()[0]))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        result = run_train_draft(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 130 if result.interrupted else 0
+    return run_module(argv, add_args=add_train_draft_args, run=run_train_draft, prog="python -m selfspec.training.draft",
+                      description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -116,6 +116,14 @@ class TrainResult:
     evals: list[EvalResult] = field(default_factory=list)
     interrupted: bool = False
 
+    def summary(self, what: str) -> str:
+        """One line for the end of a run: what, step, throughput, output, last eval."""
+        last = self.evals[-1].line() if self.evals else "no eval split"
+        rate = self.tokens_seen / self.wall_s if self.wall_s > 0 else 0.0
+        status = "interrupted" if self.interrupted else "done"
+        return (f"{what} {status}: step {self.step}, {self.tokens_seen} tokens in {self.wall_s:.0f} s ({rate:.0f} tok/s) "
+                f"-> {self.out}; {last}")
+
 
 # ---------------------------------------------------------------------------------------------- data
 
@@ -700,25 +708,25 @@ def run_train_heads(args: argparse.Namespace) -> TrainResult:
     eos = gen.read_meta(data_dir).get("eos_token_ids", [])
     result = train_heads(loaded.model, dataset, config=config, name=loaded.name, eos_token_ids=eos, data_dir=str(data_dir),
                          resume=args.resume, progress=not args.no_progress)
-    last = result.evals[-1].line() if result.evals else "no eval split"
-    rate = result.tokens_seen / result.wall_s if result.wall_s > 0 else 0.0
-    status = "interrupted" if result.interrupted else "done"
-    print(f"train-heads {status}: {config.kind} step {result.step}, {result.tokens_seen} tokens in {result.wall_s:.0f} s "
-          f"({rate:.0f} tok/s) -> {result.out}; {last}", flush=True)
+    print(result.summary(f"train-heads {config.kind}"), flush=True)
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = add_train_heads_args(argparse.ArgumentParser(prog="python -m selfspec.training.train",
-                                                          description=__doc__.splitlines()[0]))
-    args = parser.parse_args(argv)
+def run_module(argv: list[str] | None, *, add_args, run, prog: str, description: str) -> int:
+    """``python -m`` entry shared by the training commands: one-line errors, 130 when interrupted."""
+    args = add_args(argparse.ArgumentParser(prog=prog, description=description)).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        result = run_train_heads(args)
+        result = run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 130 if result.interrupted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_module(argv, add_args=add_train_heads_args, run=run_train_heads, prog="python -m selfspec.training.train",
+                      description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
