@@ -49,6 +49,18 @@ def hf_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
                           eos_token_id=None, pad_token_id=0)
 
 
+def distill_dataset(rows):
+    """A self-distillation dataset in memory, as selfspec.training.data stores it: rows of (ids, response_start)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({
+        "id": [str(i) for i in range(len(rows))],
+        "input_ids": [ids for ids, _ in rows],
+        "response_start": [start for _, start in rows],
+        "n_response": [len(ids) - start for ids, start in rows],
+    })
+
+
 def chi2_check(counts: dict, exact: dict, n: int) -> tuple[float, float]:
     """Chi-square of observed ``counts`` against ``exact`` probabilities over cells with expected
     count >= 5 (the rest pooled) -> (statistic, threshold). The threshold is dof + 6 sd of

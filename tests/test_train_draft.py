@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pytest
 import torch
-from conftest import hf_greedy, tiny_model
+from conftest import distill_dataset, hf_greedy, tiny_model
 from safetensors.torch import load_file
 
 from selfspec.backbone import Backbone, config_fingerprint
@@ -29,17 +28,10 @@ from selfspec.tree import build_tree, chain
 V = 97
 
 
-def _dataset(rows):
-    return datasets.Dataset.from_dict({
-        "id": [str(i) for i in range(len(rows))],
-        "input_ids": [ids for ids, _ in rows],
-        "response_start": [start for _, start in rows],
-        "n_response": [len(ids) - start for ids, start in rows],
-    })
 
 
 def _random_data(n=12, length=20, start=8):
-    return _dataset([(torch.randint(1, V, (length,), generator=torch.Generator().manual_seed(i)).tolist(), start)
+    return distill_dataset([(torch.randint(1, V, (length,), generator=torch.Generator().manual_seed(i)).tolist(), start)
                      for i in range(n)])
 
 
@@ -49,7 +41,7 @@ def _self_generated(model, *, n=24, new=24, seed=0):
     for _ in range(n):
         prompt = torch.randint(1, V, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
         rows.append((hf_greedy(model, prompt[None], new)[0].tolist(), len(prompt)))
-    return _dataset(rows)
+    return distill_dataset(rows)
 
 
 def _tokenizer():

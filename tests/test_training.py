@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import datasets
 import pytest
 import torch
-from conftest import hf_greedy, tiny_model
+from conftest import distill_dataset, hf_greedy, tiny_model
 from torch.nn import functional as F
 
 from selfspec.backbone import config_fingerprint
@@ -120,17 +119,10 @@ def test_restricted_vocab_renormalises_the_target():
 # ---------------------------------------------------------------------------------------------- data side
 
 
-def _dataset(rows):
-    return datasets.Dataset.from_dict({
-        "id": [str(i) for i in range(len(rows))],
-        "input_ids": [ids for ids, _ in rows],
-        "response_start": [start for _, start in rows],
-        "n_response": [len(ids) - start for ids, start in rows],
-    })
 
 
 def test_frequent_vocab_counts_responses_and_keeps_eos():
-    ds = _dataset([([9, 9, 9, 5, 5, 2], 3), ([9, 9, 5, 6, 6, 1], 2)])  # responses: 5 5 2 | 5 6 6 1
+    ds = distill_dataset([([9, 9, 9, 5, 5, 2], 3), ([9, 9, 5, 6, 6, 1], 2)])  # responses: 5 5 2 | 5 6 6 1
     assert frequent_vocab(ds, 3, vocab_size=10, eos_token_ids=[8]).tolist() == [5, 6, 8]  # 9 is prompt-only
     assert frequent_vocab(ds, 2, vocab_size=10).tolist() == [5, 6]
     assert frequent_vocab(ds, 4, vocab_size=10).tolist() == [1, 2, 5, 6]  # ties: smaller ids first
@@ -138,7 +130,7 @@ def test_frequent_vocab_counts_responses_and_keeps_eos():
 
 
 def test_collate_window_and_mask():
-    seqs = to_sequences(_dataset([([10, 11, 12, 20, 21, 22], 3), ([10, 20, 21], 1)]), max_len=100)
+    seqs = to_sequences(distill_dataset([([10, 11, 12, 20, 21, 22], 3), ([10, 20, 21], 1)]), max_len=100)
     b = collate(seqs, lead=0)
     # Rows 2..4 of sequence 0 predict 20, 21, 22; rows 0..1 of sequence 1 predict 20, 21.
     assert b.window[0].tolist() == [2, 3, 4] and b.mask[0].tolist() == [True] * 3
@@ -146,7 +138,7 @@ def test_collate_window_and_mask():
     assert b.mask[1].tolist() == [True, True, False] and b.next_tokens[1, :2].tolist() == [20, 21]
     b = collate(seqs, lead=2)  # Medusa with 2 heads reads from two positions earlier
     assert b.window[0].tolist() == [0, 1, 2, 3, 4] and b.mask[0].tolist() == [False, False, True, True, True]
-    assert to_sequences(_dataset([([1, 2, 3, 4, 5, 6], 4)]), max_len=3)[0].response_start == 1
+    assert to_sequences(distill_dataset([([1, 2, 3, 4, 5, 6], 4)]), max_len=3)[0].response_start == 1
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -160,7 +152,7 @@ def _self_generated(model, *, n=24, new=24, seed=0):
         prompt = torch.randint(1, 97, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
         out = hf_greedy(model, prompt[None], new)[0]
         rows.append((out.tolist(), len(prompt)))
-    return _dataset(rows)
+    return distill_dataset(rows)
 
 
 def _cfg(tmp_path, name, **kw):
@@ -172,7 +164,7 @@ def _cfg(tmp_path, name, **kw):
 def test_checkpoint_is_atomic_and_resume_matches_uninterrupted(tmp_path):
     torch.set_num_threads(1)
     model = tiny_model(seed=1)
-    ds = _dataset([(torch.randint(1, 97, (20,), generator=torch.Generator().manual_seed(i)).tolist(), 8) for i in range(12)])
+    ds = distill_dataset([(torch.randint(1, 97, (20,), generator=torch.Generator().manual_seed(i)).tolist(), 8) for i in range(12)])
 
     straight = train_heads(model, ds, config=_cfg(tmp_path, "a"), name="tiny", progress=False)
     assert straight.step == 4 and not straight.interrupted
