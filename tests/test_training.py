@@ -297,3 +297,29 @@ def test_cached_features_give_the_losses_of_a_live_backbone_pass(tmp_path, kind,
     assert cached.top1 == pytest.approx(live.top1, abs=0.05)
     again = extract_features(model, seqs, exit_layer=2, batch_size=3, device="cpu", progress=False)
     assert torch.equal(again.final[0], feats.final[0])  # read back from disk
+
+
+def test_feature_cache_is_chunked_so_appended_data_reuses_earlier_chunks(tmp_path, monkeypatch):
+    import selfspec.training.train as train_mod
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(train_mod, "FEATURE_CHUNK", 3)
+    torch.set_num_threads(1)
+    model = tiny_model(seed=3)
+    seqs = to_sequences(_self_generated(model, n=10, new=6), max_len=1024)
+    first = train_mod.extract_features(model, seqs[:6], exit_layer=2, batch_size=4, device="cpu", progress=False)
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "features").iterdir()}
+    assert len(files) == 2
+    grown = train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", progress=False)
+    after = {p: p.stat().st_mtime_ns for p in (tmp_path / "features").iterdir()}
+    assert len(after) == 2 + 2 and all(after[p] == t for p, t in files.items())  # old chunks untouched
+    assert all(torch.equal(a, b) for a, b in zip(first.final, grown.final[:6]))
+    for a, s in zip(grown.exit, seqs):
+        assert a.shape == (len(s.ids), model.config.hidden_size)
+    bf16 = train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="bfloat16", progress=False)
+    assert len(list((tmp_path / "features").iterdir())) == 4 + 4  # another precision, another key
+    for a, b in zip(grown.final, bf16.final):
+        assert (a.float() - b.float()).abs().max() < 0.1 * a.float().abs().max()
+        assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="feature dtype"):
+        train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="float16", progress=False)

@@ -72,6 +72,7 @@ class TrainConfig:
     exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
     exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
     cache_features: bool = True       # one backbone pass up front, kept on disk; epochs then cost only the heads
+    feature_dtype: str = "float32"    # that pass's precision: float32 | bfloat16 (autocast, faster on CPUs with BF16)
     save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     out: str = "heads-out"
@@ -251,43 +252,72 @@ class FeatureCache:
         return pad([self.final[i] for i in ids]), pad([self.exit[i] for i in ids])
 
 
-def feature_cache_path(model, seqs: list[Sequence], *, exit_layer: int) -> Path:
-    """Where the features of these sequences live under $SELFSPEC_HOME (keyed by model, data and E)."""
+FEATURE_CHUNK = 256  # sequences per cache file: appending data to a dataset costs only the new chunks
+
+
+def feature_cache_path(model, seqs: list[Sequence], *, exit_layer: int, dtype: str = "float32") -> Path:
+    """Where the features of these sequences live under $SELFSPEC_HOME (keyed by model, data, E and dtype)."""
     import hashlib
 
     from ..backbone import config_fingerprint
     from ..loading import selfspec_home
 
-    h = hashlib.sha1(f"{config_fingerprint(model.config)}:{exit_layer}".encode())
+    h = hashlib.sha1(f"{config_fingerprint(model.config)}:{exit_layer}:{dtype}".encode())
     for s in seqs:
         h.update(s.ids.numpy().tobytes())
         h.update(str(s.response_start).encode())
     return selfspec_home() / "features" / f"{h.hexdigest()[:20]}.pt"
 
 
+FEATURE_DTYPES = ("float32", "bfloat16")
+
+
 @torch.no_grad()
 def extract_features(model, seqs: list[Sequence], *, exit_layer: int, batch_size: int, device,
-                     progress: bool = True) -> FeatureCache:
-    """One no-grad backbone pass over ``seqs`` (length-sorted batches: little padding), or a cached copy."""
-    path = feature_cache_path(model, seqs, exit_layer=exit_layer)
-    if path.is_file():
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        return FeatureCache(final=saved["final"], exit=saved["exit"])
-    final: list = [None] * len(seqs)
-    exit_: list = [None] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+                     dtype: str = "float32", progress: bool = True) -> FeatureCache:
+    """One no-grad backbone pass over ``seqs``, cached on disk in chunks of FEATURE_CHUNK sequences.
+
+    Each chunk is keyed by its own content, so a dataset that grew by new shards re-uses every
+    earlier chunk and computes only the new ones. ``dtype="bfloat16"`` runs the pass under bfloat16
+    autocast (about 1.4x faster on a CPU with AVX512-BF16; the features are stored as float16 either
+    way). Batches are length-sorted within a chunk, so there is little padding.
+    """
+    if dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)} (got {dtype!r})")
+    chunks = [seqs[lo : lo + FEATURE_CHUNK] for lo in range(0, len(seqs), FEATURE_CHUNK)]
+    paths = [feature_cache_path(model, c, exit_layer=exit_layer, dtype=dtype) for c in chunks]
+    todo = sum(len(c) for c, p in zip(chunks, paths) if not p.is_file())
+    if todo:
+        log.info("backbone features: %d of %d sequences to compute (%s)", todo, len(seqs), dtype)
     inner = Backbone(model).model.model
-    for lo in tqdm(range(0, len(order), batch_size), desc="backbone features", disable=not progress, file=sys.stderr):
-        idx = order[lo : lo + batch_size]
-        b = collate([seqs[i] for i in idx], lead=0)
-        out = inner(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device),
-                    output_hidden_states=True, use_cache=False)
-        for j, i in enumerate(idx):
-            n = len(seqs[i].ids)
-            final[i] = out.last_hidden_state[j, :n].to("cpu", torch.float16)
-            exit_[i] = out.hidden_states[exit_layer][j, :n].to("cpu", torch.float16)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save({"final": final, "exit": exit_}, path)
+    device = torch.device(device)
+    final: list = []
+    exit_: list = []
+    with tqdm(total=todo, desc="backbone features", unit="seq", disable=not progress or not todo, file=sys.stderr) as bar:
+        for chunk, path in zip(chunks, paths):
+            if path.is_file():
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                final += saved["final"]
+                exit_ += saved["exit"]
+                continue
+            f_chunk: list = [None] * len(chunk)
+            e_chunk: list = [None] * len(chunk)
+            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i].ids))
+            for lo in range(0, len(order), batch_size):
+                idx = order[lo : lo + batch_size]
+                b = collate([chunk[i] for i in idx], lead=0)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                    out = inner(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device),
+                                output_hidden_states=True, use_cache=False)
+                for j, i in enumerate(idx):
+                    n = len(chunk[i].ids)
+                    f_chunk[i] = out.last_hidden_state[j, :n].to("cpu", torch.float16)
+                    e_chunk[i] = out.hidden_states[exit_layer][j, :n].to("cpu", torch.float16)
+                bar.update(len(idx))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_torch_save({"final": f_chunk, "exit": e_chunk}, path)
+            final += f_chunk
+            exit_ += e_chunk
     return FeatureCache(final=final, exit=exit_)
 
 
@@ -496,7 +526,7 @@ def train_heads(
     if config.cache_features and lora is None:
         # Features for the default exit layer too when training Medusa, so both kinds share one pass.
         features = extract_features(model, seqs, exit_layer=exit_layer if exit_layer is not None else n_layers // 2,
-                                    batch_size=config.batch_size, device=device,
+                                    batch_size=config.batch_size, device=device, dtype=config.feature_dtype,
                                     progress=progress and accelerator.is_main_process)
     lead = config.num_heads if config.kind == "medusa" else 0
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -642,7 +672,8 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
-             "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens"}
+             "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens",
+             "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)
         typ = {"int | None": int}.get(str(f.type), type(default) if default is not None else int)
