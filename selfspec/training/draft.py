@@ -39,14 +39,12 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.nn import functional as F
-from tqdm.auto import tqdm
 
 from .. import __version__
 from ..backbone import config_fingerprint
@@ -56,14 +54,18 @@ from .train import (
     STATE_FILE,
     Batch,
     EvalResult,
+    FeatureCache,
     Sequence,
     Target,
+    RunState,
     TrainResult,
     _atomic_torch_save,
     _deferred_sigint,
-    batch_indices,
     collate,
+    extract_features,
+    flag_type,
     frequent_vocab,
+    optimizer_loop,
     run_module,
     split_eval,
     target_view,
@@ -94,6 +96,8 @@ class DraftConfig:
     save_every: int = 500
     seed: int = 0
     save_dtype: str = "float16"       # float16 | bfloat16: storage of the trained tensors
+    cache_features: bool = True       # the teacher's states from train-heads' shared on-disk feature cache
+    feature_dtype: str = "float32"    # precision of that one-off pass: float32 | bfloat16
     out: str = "draft-out"
 
 
@@ -123,13 +127,19 @@ def make_student(model: torch.nn.Module, *, layers: int) -> torch.nn.Module:
     return student
 
 
-def draft_loss(student: torch.nn.Module, target: Target, batch: Batch, *, device) -> HeadLoss:
-    """Frozen target forward (no grad), student forward, KL at the same positions on the draft vocabulary."""
+def draft_loss(student: torch.nn.Module, target: Target, batch: Batch, *, device,
+               final: torch.Tensor | None = None) -> HeadLoss:
+    """Frozen target forward (no grad), student forward, KL at the same positions on the draft vocabulary.
+
+    ``final``: the target's cached post-norm last hidden states for the batch (B, L, H), which
+    replace its forward (the expensive half of a step).
+    """
     ids, am = batch.input_ids.to(device), batch.attention_mask.to(device)
     window = batch.window.to(device)  # (B, W)
     pick = lambda h: h.gather(1, window[..., None].expand(-1, -1, h.shape[-1]))  # noqa: E731  (B, L, H) -> (B, W, H)
     with torch.no_grad():
-        final = target.backbone.model.model(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
+        if final is None:
+            final = target.backbone.model.model(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
         teacher = F.linear(pick(final), target.weight)  # (B, W, V_sub)
     h = student.model(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state  # (B, L, H) post-norm
     z = F.linear(pick(h), target.weight.to(h.dtype))  # (B, W, V_sub): the student's LM head is the target's, frozen
@@ -138,15 +148,17 @@ def draft_loss(student: torch.nn.Module, target: Target, batch: Batch, *, device
 
 @torch.no_grad()
 def evaluate_draft(student, target: Target, seqs: list[Sequence], *, batch_size: int, device, step: int,
-                   autocast=contextlib.nullcontext) -> DraftEval | None:
+                   autocast=contextlib.nullcontext, features: FeatureCache | None = None,
+                   feature_ids: list[int] | None = None) -> DraftEval | None:
     if not seqs:
         return None
     was_training = student.training
     student.eval()
     kl_sum, top1, top5, count = 0.0, 0.0, 0.0, 0.0
     for lo in range(0, len(seqs), batch_size):
+        final = None if features is None else features.gather(feature_ids[lo : lo + batch_size], device=device)[0]
         with autocast():
-            r = draft_loss(student, target, collate(seqs[lo : lo + batch_size], lead=0), device=device)
+            r = draft_loss(student, target, collate(seqs[lo : lo + batch_size], lead=0), device=device, final=final)
         n = float(r.count[0])
         kl_sum, top1, top5, count = kl_sum + float(r.kl[0]) * n, top1 + float(r.top1[0]) * n, top5 + float(r.top5[0]) * n, count + n
     student.train(was_training)
@@ -332,92 +344,52 @@ def train_draft(
                                                 num_training_steps=config.steps)
     # The scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it per process).
     student, optimizer = accelerator.prepare(student, optimizer)
-    step, tokens_seen, wall_before, evals = 0, 0, 0.0, []
+    state = RunState()
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        step, tokens_seen, wall_before = saved["step"], saved["tokens_seen"], saved["wall_s"]
-        evals = [DraftEval(**e) for e in saved["evals"]]
+        state = RunState(step=saved["step"], tokens_seen=saved["tokens_seen"], wall_before=saved["wall_s"],
+                         evals=[DraftEval(**e) for e in saved["evals"]])
         torch.set_rng_state(saved["rng"])
-        log.info("resumed %s at step %d", out, step)
+        log.info("resumed %s at step %d", out, state.step)
 
     target = target_view(model, vocab=vocab, exit_layer=None)
-    world, rank = accelerator.num_processes, accelerator.process_index
     raw = accelerator.unwrap_model(student)
-    started = time.perf_counter()
+    features = None
+    if config.cache_features:  # train-heads' cache (same key: exit layer N // 2), so the two share one pass
+        features = extract_features(model, seqs, exit_layer=model.config.num_hidden_layers // 2, batch_size=config.batch_size,
+                                    device=device, dtype=config.feature_dtype, progress=progress and accelerator.is_main_process)
 
-    def run_eval() -> None:
-        r = evaluate_draft(raw, target, eval_seqs, batch_size=config.batch_size, device=device, step=step,
-                           autocast=accelerator.autocast)
-        if r is not None:
-            evals.append(r)
-            if accelerator.is_main_process:
-                tqdm.write(r.line(), file=sys.stderr)
+    def micro_loss(mine: list[int]) -> tuple[HeadLoss, Batch]:
+        batch = collate([train_seqs[i] for i in mine], lead=0)
+        final = None if features is None else features.gather([train_idx[i] for i in mine], device=device)[0]
+        return draft_loss(student, target, batch, device=device, final=final), batch
 
-    def checkpoint() -> None:
-        if not accelerator.is_main_process:
-            return
-        wall = wall_before + time.perf_counter() - started
-        extra = {"data": data_dir, "steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1),
-                 "eval": asdict(evals[-1]) if evals else None, "train_config": asdict(config)}
+    def evaluate_at(step: int) -> DraftEval | None:
+        return evaluate_draft(raw, target, eval_seqs, batch_size=config.batch_size, device=device, step=step,
+                              autocast=accelerator.autocast, features=features, feature_ids=eval_idx)
+
+    def save(state: RunState, wall: float) -> None:
+        extra = {"data": data_dir, "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
+                 "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config)}
         sd = raw.state_dict()
-        state = {
+        saved_state = {
             "student": {n: sd[n].detach().cpu() for n in names},
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "step": step, "tokens_seen": tokens_seen, "wall_s": wall, "rng": torch.get_rng_state(),
-            "evals": [asdict(e) for e in evals], "config": asdict(config), "layers": layers,
+            "step": state.step, "tokens_seen": state.tokens_seen, "wall_s": wall, "rng": torch.get_rng_state(),
+            "evals": [asdict(e) for e in state.evals], "config": asdict(config), "layers": layers,
             "fingerprint": fingerprint, "vocab": vocab,
         }
         with _deferred_sigint():
             # Draft first, state last: the state names the step both belong to, and resume reads only the state.
             save_draft(raw, out, base_model=name, base_fingerprint=fingerprint, save_dtype=config.save_dtype,
                        tokenizer=tokenizer, extra=extra)
-            _atomic_torch_save(state, state_path)
+            _atomic_torch_save(saved_state, state_path)
 
-    last_saved = step
-    bar = tqdm(total=config.steps, initial=step, desc=f"train draft L={layers}", unit="step", file=sys.stderr,
-               disable=not progress or not accelerator.is_main_process, dynamic_ncols=True)
-    try:
-        if step == 0 and not evals:
-            run_eval()
-        while step < config.steps:
-            for micro in range(config.grad_accum):
-                global_micro = step * config.grad_accum + micro
-                idx = batch_indices(len(train_seqs), micro_step=global_micro, batch_size=config.batch_size * world,
-                                    seed=config.seed)
-                batch = collate([train_seqs[i] for i in idx[rank::world]], lead=0)
-                with accelerator.accumulate(student), accelerator.autocast():
-                    r = draft_loss(student, target, batch, device=device)
-                    accelerator.backward(r.loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(params, 1.0)
-                    optimizer.step()      # a no-op until the last micro-batch of the step (accelerate)
-                    optimizer.zero_grad()
-                tokens_seen += int(accelerator.reduce(torch.tensor(int(batch.mask.sum()), device=device), "sum"))
-            scheduler.step()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(kl=f"{r.loss.detach().item():.3f}", acc1=f"{float(r.top1[0]):.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
-            if callback is not None:
-                callback(step)
-            if step % config.eval_every == 0 and step < config.steps:
-                run_eval()
-            if step % config.save_every == 0 and step < config.steps:
-                checkpoint()
-                last_saved = step
-        if not evals or evals[-1].step != step:
-            run_eval()
-        checkpoint()
-    except KeyboardInterrupt:
-        bar.close()
-        print(f"interrupted at step {step}: the checkpoint of step {last_saved} in {out} is intact "
-              f"(rerun with --resume to continue)", file=sys.stderr)
-        return TrainResult(out=str(out), step=last_saved, tokens_seen=tokens_seen,
-                           wall_s=wall_before + time.perf_counter() - started, evals=evals, interrupted=True)
-    bar.close()
-    accelerator.wait_for_everyone()
-    return TrainResult(out=str(out), step=step, tokens_seen=tokens_seen,
-                       wall_s=wall_before + time.perf_counter() - started, evals=evals)
+    return optimizer_loop(accelerator=accelerator, module=student, optimizer=optimizer, scheduler=scheduler,
+                          params=params, config=config, n_train=len(train_seqs), micro_loss=micro_loss,
+                          evaluate_at=evaluate_at, save=save, state=state, out=out, desc=f"train draft L={layers}",
+                          progress=progress, callback=callback)
 
 
 def _check_resumable(saved: dict, *, layers: int, config: DraftConfig, vocab, fingerprint: str, out: Path) -> None:
@@ -447,7 +419,7 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     helps = {"draft_vocab_size": "vocabulary the loss is computed on; 0 = full", "save_dtype": "float16 | bfloat16"}
     for f in dataclasses.fields(DraftConfig):
         default = f.default
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default,
+        parser.add_argument("--" + f.name.replace("_", "-"), type=flag_type(type(default)), default=default,
                             help="; ".join(x for x in (helps.get(f.name), f"default {default}") if x))
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its trainer_state.pt")
     parser.add_argument("--max-prompts", type=int, default=None, help="with --prompts: use only the first N")

@@ -429,6 +429,101 @@ def _atomic_torch_save(obj, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- the loop
 
 
+@dataclass
+class RunState:
+    """Where a run stands: what a checkpoint records and ``--resume`` restores."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    wall_before: float = 0.0          # seconds spent in earlier (resumed) sessions
+    evals: list = field(default_factory=list)
+
+
+def optimizer_loop(
+    *,
+    accelerator,
+    module,
+    optimizer,
+    scheduler,
+    params,
+    config,
+    n_train: int,
+    micro_loss: Callable[[list[int]], tuple[HeadLoss, Batch]],
+    evaluate_at: Callable[[int], EvalResult | None],
+    save: Callable[[RunState, float], None],
+    state: RunState,
+    out: Path,
+    desc: str,
+    progress: bool = True,
+    callback: Callable[[int], None] | None = None,
+) -> TrainResult:
+    """Optimizer steps from ``state.step`` to ``config.steps``, shared by train-heads and train-draft.
+
+    Each step takes ``config.grad_accum`` micro-batches; micro-batch i of step s is
+    ``batch_indices(n_train, micro_step=s * grad_accum + i)`` split across processes, and
+    ``micro_loss(indices)`` returns its loss and batch. Gradients are clipped to norm 1, the
+    scheduler moves once per step, ``evaluate_at(step)`` runs at step 0 and every ``eval_every``,
+    ``save(state, wall_s)`` (main process only) every ``save_every`` and at the end. Ctrl-C stops
+    at once; the last saved checkpoint stays as it was and the result is marked interrupted.
+    """
+    world, rank = accelerator.num_processes, accelerator.process_index
+    started = time.perf_counter()
+    wall = lambda: state.wall_before + time.perf_counter() - started  # noqa: E731
+
+    def run_eval() -> None:
+        r = evaluate_at(state.step)
+        if r is not None:
+            state.evals.append(r)
+            if accelerator.is_main_process:
+                tqdm.write(r.line(), file=sys.stderr)
+
+    def checkpoint() -> None:
+        if accelerator.is_main_process:
+            save(state, wall())
+
+    last_saved = state.step
+    bar = tqdm(total=config.steps, initial=state.step, desc=desc, unit="step", file=sys.stderr,
+               disable=not progress or not accelerator.is_main_process, dynamic_ncols=True)
+    try:
+        if state.step == 0 and not state.evals:
+            run_eval()
+        while state.step < config.steps:
+            for micro in range(config.grad_accum):
+                idx = batch_indices(n_train, micro_step=state.step * config.grad_accum + micro,
+                                    batch_size=config.batch_size * world, seed=config.seed)
+                with accelerator.accumulate(module), accelerator.autocast():
+                    r, batch = micro_loss(idx[rank::world])
+                    accelerator.backward(r.loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(params, 1.0)
+                    optimizer.step()      # a no-op until the last micro-batch of the step (accelerate)
+                    optimizer.zero_grad()
+                state.tokens_seen += int(accelerator.reduce(torch.tensor(int(batch.mask.sum()), device=accelerator.device), "sum"))
+            scheduler.step()
+            state.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{r.loss.detach().item():.3f}", acc1=f"{float(r.top1[0]):.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            if callback is not None:
+                callback(state.step)
+            if state.step % config.eval_every == 0 and state.step < config.steps:
+                run_eval()
+            if state.step % config.save_every == 0 and state.step < config.steps:
+                checkpoint()
+                last_saved = state.step
+        if not state.evals or state.evals[-1].step != state.step:
+            run_eval()
+        checkpoint()
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"interrupted at step {state.step}: the checkpoint of step {last_saved} in {out} is intact "
+              f"(rerun with --resume to continue)", file=sys.stderr)
+        return TrainResult(out=str(out), step=last_saved, tokens_seen=state.tokens_seen, wall_s=wall(),
+                           evals=state.evals, interrupted=True)
+    bar.close()
+    accelerator.wait_for_everyone()
+    return TrainResult(out=str(out), step=state.step, tokens_seen=state.tokens_seen, wall_s=wall(), evals=state.evals)
+
+
 def train_heads(
     model,
     dataset,
@@ -512,14 +607,14 @@ def train_heads(
                                                 num_training_steps=config.steps)
     # The scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it per process).
     module, optimizer = accelerator.prepare(module, optimizer)
-    step, tokens_seen, wall_before, evals = 0, 0, 0.0, []
+    state = RunState()
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        step, tokens_seen, wall_before = saved["step"], saved["tokens_seen"], saved["wall_s"]
-        evals = [EvalResult(**e) for e in saved["evals"]]
+        state = RunState(step=saved["step"], tokens_seen=saved["tokens_seen"], wall_before=saved["wall_s"],
+                         evals=[EvalResult(**e) for e in saved["evals"]])
         torch.set_rng_state(saved["rng"])
-        log.info("resumed %s at step %d", out, step)
+        log.info("resumed %s at step %d", out, state.step)
 
     target = target_view(model, vocab=vocab, exit_layer=exit_layer)
     features = None
@@ -529,92 +624,47 @@ def train_heads(
                                     batch_size=config.batch_size, device=device, dtype=config.feature_dtype,
                                     progress=progress and accelerator.is_main_process)
     lead = config.num_heads if config.kind == "medusa" else 0
-    world, rank = accelerator.num_processes, accelerator.process_index
     raw = accelerator.unwrap_model(module)
-    started = time.perf_counter()
 
-    def run_eval() -> None:
-        r = evaluate(raw, target, eval_seqs, config=config, device=device, step=step, autocast=accelerator.autocast,
-                     lora=lora, features=features, feature_ids=eval_idx)
-        if r is not None:
-            evals.append(r)
-            if accelerator.is_main_process:
-                tqdm.write(r.line(), file=sys.stderr)
+    def micro_loss(mine: list[int]) -> tuple[HeadLoss, Batch]:
+        batch = collate([train_seqs[i] for i in mine], lead=lead)
+        feats = None if features is None else features.gather([train_idx[i] for i in mine], device=device)
+        return head_loss(module, target, batch, config=config, device=device, lora=lora, features=feats), batch
 
-    def checkpoint() -> None:
-        if not accelerator.is_main_process:
-            return
-        wall = wall_before + time.perf_counter() - started
+    def evaluate_at(step: int) -> EvalResult | None:
+        return evaluate(raw, target, eval_seqs, config=config, device=device, step=step, autocast=accelerator.autocast,
+                        lora=lora, features=features, feature_ids=eval_idx)
+
+    def save(state: RunState, wall: float) -> None:
         heads.config.extra = {
-            "data": data_dir, "steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1),
-            "eval": asdict(evals[-1]) if evals else None, "train_config": asdict(config),
+            "data": data_dir, "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
+            "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config),
         }
-        state = {
+        saved_state = {
             "heads": {k: v.detach().cpu() for k, v in raw.state_dict().items()},
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "step": step, "tokens_seen": tokens_seen, "wall_s": wall, "rng": torch.get_rng_state(),
-            "evals": [asdict(e) for e in evals], "config": asdict(config),
+            "step": state.step, "tokens_seen": state.tokens_seen, "wall_s": wall, "rng": torch.get_rng_state(),
+            "evals": [asdict(e) for e in state.evals], "config": asdict(config),
             "fingerprint": heads.config.base_fingerprint, "vocab": vocab,
         }
         if lora is not None:
             from peft import get_peft_model_state_dict
 
-            state["lora"] = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(lora).items()}
+            saved_state["lora"] = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(lora).items()}
         with _deferred_sigint():
             # Heads first, state last: the state names the step both belong to, and resume reads only the state.
             save_heads(Heads(config=heads.config, module=raw, draft_vocab=vocab), out)
             if lora is not None:
                 _atomic_save_adapter(lora, out / "lora")
-            _atomic_torch_save(state, state_path)
+            _atomic_torch_save(saved_state, state_path)
 
-    last_saved = step
-    bar = tqdm(total=config.steps, initial=step, desc=f"train {config.kind}", unit="step", file=sys.stderr,
-               disable=not progress or not accelerator.is_main_process, dynamic_ncols=True)
     try:
-        if step == 0 and not evals:
-            run_eval()
-        while step < config.steps:
-            for micro in range(config.grad_accum):
-                global_micro = step * config.grad_accum + micro
-                idx = batch_indices(len(train_seqs), micro_step=global_micro, batch_size=config.batch_size * world,
-                                    seed=config.seed)
-                mine = idx[rank::world]
-                batch = collate([train_seqs[i] for i in mine], lead=lead)
-                feats = None if features is None else features.gather([train_idx[i] for i in mine], device=device)
-                with accelerator.accumulate(module), accelerator.autocast():
-                    r = head_loss(module, target, batch, config=config, device=device, lora=lora, features=feats)
-                    accelerator.backward(r.loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(params, 1.0)
-                    optimizer.step()      # a no-op until the last micro-batch of the step (accelerate)
-                    optimizer.zero_grad()
-                tokens_seen += int(accelerator.reduce(torch.tensor(int(batch.mask.sum()), device=device), "sum"))
-            scheduler.step()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{r.loss.detach().item():.3f}", acc1=f"{float(r.top1[0]):.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
-            if callback is not None:
-                callback(step)
-            if step % config.eval_every == 0 and step < config.steps:
-                run_eval()
-            if step % config.save_every == 0 and step < config.steps:
-                checkpoint()
-                last_saved = step
-        if not evals or evals[-1].step != step:
-            run_eval()
-        checkpoint()
-    except KeyboardInterrupt:
-        bar.close()
+        return optimizer_loop(accelerator=accelerator, module=module, optimizer=optimizer, scheduler=scheduler,
+                              params=params, config=config, n_train=len(train_seqs), micro_loss=micro_loss,
+                              evaluate_at=evaluate_at, save=save, state=state, out=out, desc=f"train {config.kind}",
+                              progress=progress, callback=callback)
+    finally:
         _detach_lora(lora)
-        print(f"interrupted at step {step}: the checkpoint of step {last_saved} in {out} is intact "
-              f"(rerun with --resume to continue)", file=sys.stderr)
-        return TrainResult(out=str(out), step=last_saved, tokens_seen=tokens_seen,
-                           wall_s=wall_before + time.perf_counter() - started, evals=evals, interrupted=True)
-    bar.close()
-    _detach_lora(lora)
-    accelerator.wait_for_everyone()
-    return TrainResult(out=str(out), step=step, tokens_seen=tokens_seen,
-                       wall_s=wall_before + time.perf_counter() - started, evals=evals)
 
 
 def _attach_lora(model, rank: int):
@@ -662,6 +712,23 @@ def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: s
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def flag_type(typ: type) -> Callable[[str], object]:
+    """argparse ``type`` for a config field: bools take true/false/1/0/yes/no (``bool("false")`` is True)."""
+    if typ is not bool:
+        return typ
+
+    def parse(text: str) -> bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+    parse.__name__ = "bool"
+    return parse
+
+
 def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags for ``selfspec train-heads``. TrainConfig fields default to None here so that a
     ``--config`` recipe can fill them; :func:`config_from_args` applies the dataclass defaults last."""
@@ -678,7 +745,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default = getattr(d, f.name)
         typ = {"int | None": int}.get(str(f.type), type(default) if default is not None else int)
         help_ = "; ".join(x for x in (helps.get(f.name), None if default is None else f"default {default}") if x)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None, help=help_)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=flag_type(typ), default=None, help=help_)
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its trainer_state.pt")
     parser.add_argument("--max-prompts", type=int, default=None, help="with --prompts: use only the first N")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="with --prompts: response length (default: gen-data's)")
