@@ -1,7 +1,9 @@
 """Write a checkpoint's model card (README.md) from what was recorded, never from typed-in numbers.
 
     python scripts/model_card.py checkpoints/smollm2-135m/medusa --bench bench-out/dev/results.json \
-        --method selfspec-medusa --hardware "2-core CPU (no GPU)"
+        --method selfspec-medusa --hardware "2-core CPU (no GPU)" --reproduce "selfspec train-heads ..."
+
+Heads directories and distilled drafts (``selfspec_draft.json``) both work.
 
 Training facts come from the heads' config.json (``extra``: data, steps, tokens, wall time,
 held-out accuracy, tree search); tau and speed on dev prompts from a ``selfspec bench`` results.json.
@@ -18,7 +20,52 @@ def _pct(xs) -> str:
     return " / ".join(f"{x:.1%}" for x in xs) if xs else "-"
 
 
+def _bench_section(bench: dict, method: str) -> list[str]:
+    m = bench["methods"][method]
+    c = bench["config"]
+    acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or [])
+    return ["## Measured on dev prompts", "",
+            f"`{c.get('command')}`", "",
+            f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
+            f"{c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}`:", "",
+            f"- tau (mean accepted length, bonus counted): {m['tau']:.2f}",
+            f"- acceptance by depth: {acc}",
+            f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
+            f"(median per prompt {m['speedup_median']:.2f}x)",
+            f"- identical to transformers greedy: {m['identical']}", ""]
+
+
+def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
+    meta = json.loads((ckpt / "selfspec_draft.json").read_text())
+    t = meta.get("training") or {}
+    tc = t.get("train_config") or {}
+    ev = t.get("eval") or {}
+    lines = [f"# {ckpt.name}: distilled draft model for `{meta['base_model']}`", "",
+             f"The target's embeddings, first {meta['num_layers']} decoder layers, final norm and LM head as a "
+             f"standalone causal LM; the layers and norm distilled (KL) to the target's final distribution, "
+             f"embeddings and LM head frozen. Only the trained tensors are stored ({meta['dtype']}); "
+             f"`materialize_draft` (called by `from_pretrained(draft_model=...)` and `selfspec bench "
+             f"--draft-model`) re-attaches the shared ones from the base model and writes an ordinary "
+             f"transformers model directory, usable as `generate(assistant_model=...)`.", "",
+             "## Training", "",
+             f"- data: `{t.get('data')}` (the target's own greedy answers to prompts of "
+             f"`../shared/data/prompts/train.jsonl`; dev prompts never used)",
+             f"- steps: {t.get('steps')} (batch {tc.get('batch_size')} x accumulation {tc.get('grad_accum')}), "
+             f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine, loss on the "
+             f"{tc.get('draft_vocab_size')} most frequent response tokens",
+             f"- response tokens seen: {t.get('tokens_seen')}",
+             f"- wall time: {t.get('wall_s')} s on {hardware} (the one-off backbone feature pass not included)",
+             f"- held-out (train-split prompts never trained on) top-1 agreement with the target: "
+             f"{_pct(ev.get('top1'))}, top-5: {_pct(ev.get('top5'))}, KL {ev.get('loss', float('nan')):.3f} "
+             f"over {ev.get('tokens')} positions", ""]
+    if bench and method:
+        lines += _bench_section(bench, method)
+    return "\n".join(lines)
+
+
 def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
+    if (ckpt / "selfspec_draft.json").is_file():
+        return draft_card(ckpt, bench, method, hardware)
     cfg = json.loads((ckpt / "config.json").read_text())
     extra = cfg.get("extra") or {}
     tc = extra.get("train_config") or {}
@@ -26,7 +73,8 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> s
     kind = cfg["kind"]
     lines = [f"# {ckpt.name}: {kind} heads for `{cfg['base_model']}`", ""]
     if kind == "medusa":
-        lines.append(f"{cfg['num_heads']} Medusa heads (zero-initialised residual blocks on the last hidden state, "
+        reads = " and the root token's embedding" if cfg.get("token_input") else ""
+        lines.append(f"{cfg['num_heads']} Medusa heads (zero-initialised residual blocks on the last hidden state{reads}, "
                      f"sharing the target's LM head).")
     else:
         lines.append(f"Exit adapter `{cfg.get('adapter', 'mlp')}` on the hidden states after the first "
@@ -57,18 +105,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> s
             lines.append(f"| {c['size']} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |")
         lines.append("")
     if bench and method:
-        m = bench["methods"][method]
-        c = bench["config"]
-        acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or [])
-        lines += ["## Measured on dev prompts", "",
-                  f"`{c.get('command')}`", "",
-                  f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
-                  f"{c['device']}, {c['threads']} threads, {c['dtype']}:", "",
-                  f"- tau (mean accepted length, bonus counted): {m['tau']:.2f}",
-                  f"- acceptance by depth: {acc}",
-                  f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
-                  f"(median per prompt {m['speedup_median']:.2f}x)",
-                  f"- identical to transformers greedy: {m['identical']}", ""]
+        lines += _bench_section(bench, method)
     return "\n".join(lines)
 
 
@@ -78,10 +115,14 @@ def main() -> None:
     ap.add_argument("--bench", default=None, help="results.json of a selfspec bench run")
     ap.add_argument("--method", default=None, help="the bench method these heads were measured as")
     ap.add_argument("--hardware", default="2-core CPU (no GPU)")
+    ap.add_argument("--reproduce", action="append", default=[], help="a command that rebuilds it (repeatable, in order)")
     a = ap.parse_args()
     bench = json.loads(Path(a.bench).read_text()) if a.bench else None
     ckpt = Path(a.checkpoint)
-    (ckpt / "README.md").write_text(card(ckpt, bench, a.method, a.hardware))
+    text = card(ckpt, bench, a.method, a.hardware)
+    if a.reproduce:
+        text += "\n## Reproduce\n\n```bash\n" + "\n".join(a.reproduce) + "\n```\n"
+    (ckpt / "README.md").write_text(text)
     print(f"wrote {ckpt / 'README.md'}")
 
 

@@ -1,7 +1,9 @@
 """Trainable draft heads and their on-disk format.
 
 * ``MedusaHeads``: K residual blocks on the target's last (post-norm) hidden state; head k
-  (1-based) predicts the token k positions after the target's own next token. Each block is
+  (1-based) predicts the token k positions after the target's own next token. With
+  ``token_input`` each block also reads the embedding of that next token (the tree's root, which
+  is known when drafting), so head 1 need not guess which token comes in between. Each block is
   zero-initialised, so an untrained head repeats the target's own next-token prediction.
 * ``ExitHead``: a residual MLP on the hidden state after decoder layer E, followed by the
   target's final norm and LM head. Zero-initialised: untrained, it *is* plain early exit.
@@ -36,6 +38,7 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int
     num_heads: int = 0              # medusa
+    token_input: bool = False       # medusa: heads also read the embedding of the root (the target's next token)
     exit_layer: int | None = None   # early-exit
     adapter: str = "mlp"            # early-exit adapter: "mlp" (residual MLP) or "layer" (a decoder layer)
     intermediate_size: int = 0      # early-exit "mlp" adapter width
@@ -47,26 +50,34 @@ class HeadsConfig:
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), zero-initialised so it starts as the identity."""
+    """x + SiLU(W x + U e + b), zero-initialised so it starts as the identity (U: only with a token input e)."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, *, token_input: bool = False):
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+        self.token = nn.Linear(hidden_size, hidden_size, bias=False) if token_input else None
+        if self.token is not None:
+            nn.init.zeros_(self.token.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
+    def forward(self, x: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+        pre = self.linear(x) if self.token is None else self.linear(x) + self.token(e)
+        return x + nn.functional.silu(pre)
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int):
+    def __init__(self, hidden_size: int, num_heads: int, *, token_input: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_heads))
+        self.token_input = token_input
+        self.blocks = nn.ModuleList(ResBlock(hidden_size, token_input=token_input) for _ in range(num_heads))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) post-norm hidden -> (..., K, H) inputs for the shared LM head."""
-        return torch.stack([block(hidden) for block in self.blocks], dim=-2)
+    def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) post-norm hidden [+ (..., H) embedding of the token it produced] -> (..., K, H) LM-head inputs."""
+        if self.token_input and root_embedding is None:
+            raise ValueError("these Medusa heads read the root token: pass root_embedding")
+        e = root_embedding if self.token_input else None
+        return torch.stack([block(hidden, e) for block in self.blocks], dim=-2)
 
 
 class ExitHead(nn.Module):
@@ -112,7 +123,7 @@ class Heads:
 def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
     """``model`` (the target) is needed only for the "layer" exit adapter, a copy of one of its layers."""
     if config.kind == "medusa":
-        return MedusaHeads(config.hidden_size, config.num_heads)
+        return MedusaHeads(config.hidden_size, config.num_heads, token_input=config.token_input)
     if config.kind == "early-exit" and config.adapter == "layer":
         if model is None:
             raise ValueError("a 'layer' exit adapter is built from the target model: pass model=")

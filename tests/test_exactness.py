@@ -92,6 +92,7 @@ def test_untrained_drafters_match_plain_greedy(arch):
         drafters = [
             NoDrafter(bb.device),
             MedusaDrafter(bb, untrained_heads("medusa", model, "t"), build_tree(MEDUSA_DEFAULT)),
+            MedusaDrafter(bb, _noisy(untrained_heads("medusa", model, "t", token_input=True)), build_tree(MEDUSA_DEFAULT)),
             EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=2), build_tree(chain(4))),
             EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=1),
                              build_tree(chain_with_siblings(3, 3))),
@@ -100,6 +101,14 @@ def test_untrained_drafters_match_plain_greedy(arch):
         for drafter in drafters:
             out, _ = _run(model, drafter, ids)
             assert torch.equal(out, ref), f"{arch} {drafter.name} diverged from plain greedy"
+
+
+def _noisy(heads, scale: float = 0.05):
+    """Heads with random (not zero) weights, so every input path of the module is exercised."""
+    with torch.no_grad():
+        for i, p in enumerate(heads.module.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * scale)
+    return heads
 
 
 def _identity_upper_layers(model, exit_layer: int, scale: float) -> None:

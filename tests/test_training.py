@@ -323,3 +323,30 @@ def test_feature_cache_is_chunked_so_appended_data_reuses_earlier_chunks(tmp_pat
         assert not torch.equal(a, b)
     with pytest.raises(ValueError, match="feature dtype"):
         train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="float16", progress=False)
+
+
+def test_token_input_heads_see_the_same_root_in_training_eval_and_tree_tuning(tmp_path):
+    """Training (window + next_tokens) and tune-tree (explicit indexing) pick the root independently:
+    with random token weights, their head-k top-1 accuracies agree only if both feed x[t + 1]."""
+    from selfspec.model import untrained_heads
+    from selfspec.training.train import evaluate, target_view
+    from selfspec.training.tune import medusa_rank_accuracy
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=4)
+    from selfspec.training.train import Sequence
+
+    # Wholly self-generated (one-token prompts, response from position 1): both count the same
+    # positions, and the data's tokens are the teacher's argmax.
+    seqs = [Sequence(ids=hf_greedy(model, torch.tensor([[t]]), 16)[0], response_start=1) for t in (3, 17, 42, 80)]
+    heads = untrained_heads("medusa", model, "tiny", num_heads=3, token_input=True)
+    with torch.no_grad():
+        for block in heads.module.blocks:
+            block.token.weight.copy_(torch.randn(block.token.weight.shape, generator=torch.Generator().manual_seed(5)))
+    cfg = _cfg(tmp_path, "r", kind="medusa", num_heads=3, batch_size=2)
+    ev = evaluate(heads.module, target_view(model, vocab=None, exit_layer=None), seqs, config=cfg, device="cpu", step=0)
+    ranks = medusa_rank_accuracy(model, heads, seqs, max_rank=1)
+    assert [r[0] for r in ranks] == pytest.approx(ev.top1, abs=1e-6)
+    assert 0 < ev.top1[0] < 1  # the token weights matter: neither all right nor all wrong
+    with pytest.raises(ValueError, match="root"):
+        heads.module(torch.zeros(2, model.config.hidden_size))

@@ -14,7 +14,8 @@ Batching, windows, eval split, schedule, atomic checkpoints and ``--resume`` are
 Output ``out/`` (small: the shared tensors are not copied)::
 
     config.json, generation_config.json   the draft's HF config (num_hidden_layers = L)
-    tokenizer files                       when a tokenizer is given
+    tokenizer files                       only when a tokenizer is given (the CLI does not: the
+                                          base model's is 3.5 MB, and materialize_draft adds it)
     model.safetensors                     ONLY the trained tensors, in ``save_dtype`` (float16 by default)
     selfspec_draft.json                   base model name + fingerprint, names of the shared tensors
     trainer_state.pt                      fp32 trained tensors + optimizer etc. for --resume
@@ -453,7 +454,7 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
     dataset = gen.load_distillation_data(data_dir)
     eos = gen.read_meta(data_dir).get("eos_token_ids", [])
     result = train_draft(loaded.model, dataset, layers=args.layers, config=config, name=loaded.name,
-                         tokenizer=loaded.tokenizer, eos_token_ids=eos, data_dir=str(data_dir), resume=args.resume,
+                         eos_token_ids=eos, data_dir=str(data_dir), resume=args.resume,
                          progress=not args.no_progress)
     print(result.summary(f"train-draft L={args.layers}"), flush=True)
     return result

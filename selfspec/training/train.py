@@ -54,6 +54,7 @@ class TrainConfig:
 
     kind: str = "medusa"              # medusa | early-exit
     num_heads: int = 4                # medusa
+    token_input: bool = True          # medusa: heads also read the root token's embedding (known when drafting)
     exit_layer: int | None = None     # early-exit; None = num_layers // 2
     steps: int = 2000                 # optimizer steps
     lr: float = 1e-3
@@ -366,7 +367,9 @@ def head_loss(module, target: Target, batch: Batch, *, config: TrainConfig, devi
         r = exit_loss(z, teacher, mask, hard_tokens=next_tokens, hard_weight=config.hard_weight, vocab=target.vocab)
     else:
         source = s_final if lora is not None else final
-        z = F.linear(module(source), target.weight)  # (B, W, K, V_sub)
+        with torch.no_grad():  # the root each head row hangs under: the token that followed the position
+            roots = bb.embed_tokens(next_tokens)  # (B, W, H)
+        z = F.linear(module(source, roots), target.weight)  # (B, W, K, V_sub)
         r = medusa_loss(z, teacher, mask, weight_decay_base=config.head_weight_base, hard_tokens=next_tokens,
                         hard_weight=config.hard_weight, vocab=target.vocab)
     return r if backbone_kl is None else dataclasses.replace(r, loss=r.loss + backbone_kl)
@@ -579,6 +582,7 @@ def train_heads(
     if config.exit_adapter not in ("mlp", "layer"):
         raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
+                            token_input=config.token_input,
                             adapter=config.exit_adapter, intermediate_size=config.exit_intermediate)
     heads.config.draft_vocab_size = 0 if vocab is None else int(vocab.numel())
     heads.config.storage_dtype = config.save_dtype
@@ -697,9 +701,10 @@ def _atomic_save_adapter(lora, path: Path) -> None:
 def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: str, out: Path) -> None:
     """Refuse to resume a run whose heads have another shape, base model or draft vocabulary."""
     old = saved["config"]
-    keys = ("kind", "num_heads", "exit_layer", "exit_adapter", "exit_intermediate", "draft_vocab_size", "lora")
+    keys = ("kind", "num_heads", "token_input", "exit_layer", "exit_adapter", "exit_intermediate", "draft_vocab_size", "lora")
     defaults = TrainConfig()
-    diffs = [k for k in keys if old.get(k, getattr(defaults, k)) != getattr(config, k)]
+    before = {"token_input": False}  # runs saved before a field existed had the old behaviour, not today's default
+    diffs = [k for k in keys if old.get(k, before.get(k, getattr(defaults, k))) != getattr(config, k)]
     if saved["fingerprint"] != fingerprint:
         diffs.append("base model")
     old_vocab = saved["vocab"]
@@ -740,6 +745,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
              "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens",
+             "token_input": "medusa: heads also read the root token's embedding (true | false)",
              "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)

@@ -67,7 +67,8 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     for s in seqs:
         ids = s.ids.to(w.device)[None]
         h = bb.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]   # (L, H) post-norm
-        z = F.linear(heads.module(h), w)                                          # (L, K, V_sub)
+        roots = bb.embed(torch.cat([ids[0, 1:], ids[0, -1:]]))[0]                  # (L, H): token t + 1 (last: unused)
+        z = F.linear(heads.module(h, roots), w)                                   # (L, K, V_sub)
         L = ids.shape[1]
         for k in range(K):
             # Head k (0-based) at position t proposes the token at t + k + 2.
