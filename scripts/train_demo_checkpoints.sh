@@ -17,12 +17,14 @@ for d in "$CK/medusa" "$CK/early-exit" .cache/heads/smollm2-135m-early-exit-mlp 
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
-run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" --threads "$THREADS"
-run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$DATA" --threads "$THREADS"
-run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml --data "$DATA" --threads "$THREADS"
-run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" --threads "$THREADS"
-run selfspec train-heads --config training/recipes/smollm2-135m-early-exit-mlp.yaml --data "$DATA" --threads "$THREADS"
-run selfspec tune-tree --model smollm2-135m --heads .cache/heads/smollm2-135m-early-exit-mlp --data "$DATA" --threads "$THREADS"
+T=(--threads "$THREADS")
+TUNE=(--data "$DATA" --threads "$THREADS" --prompts-n 6)
+run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
+run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" "${TUNE[@]}"
+run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml --data "$DATA" "${T[@]}"
+run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" "${TUNE[@]}"
 run selfspec train-draft --model smollm2-135m --layers "$L" --data "$DATA" --out "$CK/draft-${L}l" \
-    --steps 600 --lr 5e-4 --warmup 30 --eval-every 200 --save-every 200 --threads "$THREADS"
+    --steps 600 --lr 5e-4 --warmup 30 --eval-every 200 --save-every 200 "${T[@]}"
+run selfspec train-heads --config training/recipes/smollm2-135m-early-exit-mlp.yaml --data "$DATA" "${T[@]}"
+run selfspec tune-tree --model smollm2-135m --heads .cache/heads/smollm2-135m-early-exit-mlp "${TUNE[@]}"
 echo "=== done ($(date -u +%H:%M:%S))"

@@ -29,8 +29,8 @@ from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .data import load_distillation_data
 from .train import Sequence, split_eval, to_sequences
 
-MEDUSA_SIZES = (4, 8, 12, 16, 24, 32)
-EXIT_TREES = ("chain-1", "chain-2", "chain-3", "chain-4", "chain-5", "chain-3-w2")
+MEDUSA_SIZES = (2, 3, 4, 6, 8, 12, 16)  # nodes; on a CPU every verified token costs, so small trees often win
+EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
 
 
 @dataclass
