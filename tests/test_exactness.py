@@ -97,10 +97,18 @@ def test_untrained_drafters_match_plain_greedy(arch):
             EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=1),
                              build_tree(chain_with_siblings(3, 3))),
             DraftModelDrafter(tiny_model(arch, seed=5), build_tree(chain(3)), vocab_size=bb.vocab_size),
+            DraftModelDrafter(_with_draft_vocab(tiny_model(arch, seed=5), bb.vocab_size), build_tree(chain(3)),
+                              vocab_size=bb.vocab_size),
         ]
         for drafter in drafters:
             out, _ = _run(model, drafter, ids)
             assert torch.equal(out, ref), f"{arch} {drafter.name} diverged from plain greedy"
+
+
+def _with_draft_vocab(draft, vocab_size: int):
+    """A draft that scores only every other token (as a distilled draft's frequent-token subset)."""
+    draft.config.selfspec_draft_vocab = list(range(0, vocab_size, 2))
+    return draft
 
 
 def _noisy(heads, scale: float = 0.05):

@@ -205,10 +205,14 @@ def test_end_to_end_draft_learns_and_decoding_stays_exact(tmp_path):
             ids = torch.tensor([ds[i]["input_ids"]])
             assert torch.equal(draft(ids).logits.argmax(-1), student(ids).logits.argmax(-1))
 
+    # The draft records the 48-token subset it was distilled on; the drafter scores only those rows.
+    vocab = torch.load(tmp_path / "d" / STATE_FILE, weights_only=True)["vocab"]
+    assert draft.config.selfspec_draft_vocab == vocab.tolist() and len(vocab) == 48
     bb = Backbone(model)
     for i in range(3):
         prompt = torch.randint(1, V, (1, 5), generator=torch.Generator().manual_seed(100 + i))
         drafter = DraftModelDrafter(draft, build_tree(chain(3)), vocab_size=bb.vocab_size)
+        assert torch.equal(drafter.vocab, vocab)
         new, _ = decode(bb, drafter, prompt[0], params=SamplingParams(), max_new_tokens=24, eos_token_ids=set(),
                         generator=None)
         assert new == hf_greedy(model, prompt, 24)[0, 5:].tolist()

@@ -3,6 +3,12 @@
 The draft model keeps its own KV cache through its public forward. It has seen a prefix of the
 committed tokens; each step it first catches up on the tokens it has not seen (the pending
 token, plus the last draft when the whole chain was accepted), then drafts k - 1 more.
+
+A draft distilled by ``selfspec train-draft`` names the frequent-token subset it was trained on
+(``config.selfspec_draft_vocab``); the drafter then scores only those rows of the draft's LM head
+(its decoder's last hidden state times the subset's rows) instead of the full vocabulary, which
+on a small draft costs more than its layers. Proposals are restricted to that subset; the verifier
+is unchanged, so the output is too.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.nn import functional as F
 
 from .. import cache as kv
 from ..tree import Tree
@@ -55,6 +62,10 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = vocab_size
         self.cache = kv.new_cache()
         self.seen = 0  # tokens of state.ids in self.cache
+        subset = getattr(draft_model.config, "selfspec_draft_vocab", None)
+        w = draft_model.get_output_embeddings().weight
+        self.vocab = None if subset is None else torch.as_tensor(subset, dtype=torch.long, device=w.device)
+        self.weight = None if self.vocab is None else w.index_select(0, self.vocab)  # (V_draft, H)
 
     @property
     def device(self) -> torch.device:
@@ -65,12 +76,15 @@ class DraftModelDrafter(Drafter):
         self.seen = 0
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Feed ids after the seen prefix -> logits (V,) for the next token."""
+        """Feed ids after the seen prefix -> logits (V,) for the next token (V_draft with a draft vocabulary)."""
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(self.seen, self.seen + len(ids), device=self.device)[None]
+        self.seen += len(ids)
+        if self.vocab is not None:
+            out = self.model.get_decoder()(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            return F.linear(out.last_hidden_state[0, -1], self.weight)
         out = self.model(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1)
-        self.seen += len(ids)
         return out.logits[0, -1, : self.vocab_size]
 
     @torch.no_grad()
@@ -79,7 +93,7 @@ class DraftModelDrafter(Drafter):
         z = self._forward(state.ids[self.seen:])
         rows, qs = [], []
         for j in range(k):
-            cand = row_candidates(z[None], 1, vocab=None, vocab_size=self.vocab_size, state=state)
+            cand = row_candidates(z[None], 1, vocab=self.vocab, vocab_size=self.vocab_size, state=state)
             rows.append(cand.tokens)
             qs.append(cand.q)
             if j + 1 < k:

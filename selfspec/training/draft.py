@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -171,8 +172,12 @@ def evaluate_draft(student, target: Target, seqs: list[Sequence], *, batch_size:
 
 
 def save_draft(student: torch.nn.Module, out, *, base_model: str, base_fingerprint: str, save_dtype: str = "float16",
-               tokenizer=None, extra: dict | None = None) -> None:
-    """Write the small draft directory: config, generation config, tokenizer, trained tensors only, meta last."""
+               tokenizer=None, extra: dict | None = None, draft_vocab: torch.Tensor | None = None) -> None:
+    """Write the small draft directory: config, generation config, tokenizer, trained tensors only, meta last.
+
+    ``draft_vocab``: the token ids it was distilled on, recorded as ``config.selfspec_draft_vocab`` so
+    that selfspec's draft-model drafter scores only those LM-head rows (transformers ignores it).
+    """
     from safetensors.torch import save_file
 
     if save_dtype not in SAVE_DTYPES:
@@ -186,7 +191,10 @@ def save_draft(student: torch.nn.Module, out, *, base_model: str, base_fingerpri
     big = [n for n, t in sd.items() if n in names and t.abs().max() > torch.finfo(dtype).max]
     if big:
         raise ValueError(f"{big[0]} overflows {save_dtype}: save with save_dtype='bfloat16'")
-    student.config.save_pretrained(out)
+    config = copy.deepcopy(student.config)
+    if draft_vocab is not None:
+        config.selfspec_draft_vocab = [int(t) for t in draft_vocab.tolist()]
+    config.save_pretrained(out)
     student.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -384,7 +392,7 @@ def train_draft(
         with _deferred_sigint():
             # Draft first, state last: the state names the step both belong to, and resume reads only the state.
             save_draft(raw, out, base_model=name, base_fingerprint=fingerprint, save_dtype=config.save_dtype,
-                       tokenizer=tokenizer, extra=extra)
+                       tokenizer=tokenizer, extra=extra, draft_vocab=vocab)
             _atomic_torch_save(saved_state, state_path)
 
     return optimizer_loop(accelerator=accelerator, module=student, optimizer=optimizer, scheduler=scheduler,
