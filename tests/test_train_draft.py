@@ -121,6 +121,7 @@ def test_checkpoint_holds_only_trained_tensors_and_materializes(tmp_path, monkey
     assert meta["base_fingerprint"] == config_fingerprint(model.config) and meta["base_model"] == base
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    assert all((out / n).stat().st_mode & 0o777 == 0o644 for n in ("model.safetensors", META_FILE))
 
     full = materialize_draft(out)
     assert full.parent == tmp_path / "home" / "drafts" and full.name.startswith("d-")

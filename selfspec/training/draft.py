@@ -210,6 +210,8 @@ def save_draft(student: torch.nn.Module, out, *, base_model: str, base_fingerpri
             "dtype": save_dtype, "num_layers": student.config.num_hidden_layers, "selfspec_version": __version__,
             **({"training": extra} if extra else {})}
     _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2, default=str) + "\n")
+    for name in (WEIGHTS_FILE, META_FILE):  # mkstemp makes 0600 files; a draft is meant to be shared
+        os.chmod(out / name, 0o644)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
