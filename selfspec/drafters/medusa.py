@@ -37,7 +37,9 @@ class MedusaDrafter(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         depth = self.tree.depth
         # Only the heads the tree uses: (depth, H) -> (depth, V_draft). The root is the pending token.
-        root = self.backbone.embed(torch.tensor([state.ids[-1]], device=self.hidden.device))[0, 0]  # (H,)
+        root = None
+        if self.heads.config.token_input:
+            root = self.backbone.embed(torch.tensor([state.ids[-1]], device=self.hidden.device))[0, 0]  # (H,)
         h = self.heads.module(self.hidden, root)[:depth]
         logits = F.linear(h, self.weight)
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
