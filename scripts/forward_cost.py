@@ -2,10 +2,12 @@
 
     python scripts/forward_cost.py [--model smollm2-135m] [--threads 2] [--context 256] [--ks 1,2,3,4,5,8,16]
 
-Times (median of warm repeats) a cached forward of k new tokens after a ``--context``-token prefix,
-and the LM head alone on k rows, and prints each relative to k = 1. On CPUs whose BLAS runs a
-2- or 3-row matrix product no faster per row than a matrix-vector product, k = 2..3 can cost
-more than k = 4..8; `selfspec tune-tree` measures speed end to end for this reason.
+Times (median of warm repeats, interleaved) a cached forward of k new tokens after a
+``--context``-token prefix: transformers' own forward (its LM head is ``F.linear``) and the same
+layers with selfspec's LM-head projection (selfspec/projection.py, the layout timed fastest for k
+rows), and the LM head alone both ways, each relative to transformers' k = 1. On CPUs whose BLAS
+runs a 2- or 3-row matrix product no faster per row than a matrix-vector product, k = 2..3 can
+cost more than k = 4..8; `selfspec tune-tree` measures speed end to end for this reason.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import statistics
 import time
 
 import torch
+from torch.nn import functional as F
 
 
 def main() -> None:
@@ -41,21 +44,26 @@ def main() -> None:
         for k in (int(x) for x in a.ks.split(",")):
             x = torch.randint(100, 10_000, (1, k), generator=g)
             h = torch.randn(1, k, model.config.hidden_size, generator=g)
-            fwd, head = [], []
+            bb.logits(h)  # the projection times its layouts for k rows once, here
+            t = {"hf": [], "ours": [], "linear": [], "head": []}
             for _ in range(a.repeats):
-                t = time.perf_counter()
-                model(x, past_key_values=cache, use_cache=True)
-                fwd.append(time.perf_counter() - t)
-                kv.truncate(cache, a.context)
-                t = time.perf_counter()
-                bb.logits(h)
-                head.append(time.perf_counter() - t)
-            rows.append((k, statistics.median(fwd[3:]) * 1e3, statistics.median(head[3:]) * 1e3))
-    base = rows[0][1]
+                for name, fn in (("hf", lambda: model(x, past_key_values=cache, use_cache=True)),
+                                 ("ours", lambda: bb.logits(model.model(x, past_key_values=cache,
+                                                                        use_cache=True).last_hidden_state)),
+                                 ("linear", lambda: F.linear(h, bb.lm_head.weight)),
+                                 ("head", lambda: bb.logits(h))):
+                    t0 = time.perf_counter()
+                    fn()
+                    t[name].append(time.perf_counter() - t0)
+                    kv.truncate(cache, a.context)
+            rows.append((k, {n: statistics.median(v[3:]) * 1e3 for n, v in t.items()}, bb.head.choice.get(k, "linear")))
+    base = rows[0][1]["hf"]
     print(f"{a.model}, {a.threads} threads, {a.context}-token context, torch {torch.__version__}")
-    print("| k | forward ms | x k=1 | LM head ms |\n|---|---|---|---|")
-    for k, f, h in rows:
-        print(f"| {k} | {f:.1f} | {f / base:.2f} | {h:.1f} |")
+    print("| k | transformers forward ms | x k=1 | selfspec forward ms | x k=1 | LM head F.linear ms "
+          "| LM head selfspec ms (layout) |\n|---|---|---|---|---|---|---|")
+    for k, m, layout in rows:
+        print(f"| {k} | {m['hf']:.1f} | {m['hf'] / base:.2f} | {m['ours']:.1f} | {m['ours'] / base:.2f} "
+              f"| {m['linear']:.1f} | {m['head']:.1f} ({layout}) |")
 
 
 if __name__ == "__main__":

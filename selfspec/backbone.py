@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .projection import Projection
+
 # Families whose decoder is embed -> layers -> norm -> lm_head with rotary embeddings shared by
 # all layers, and whose layers take (hidden, attention_mask, position_ids, past_key_values,
 # position_embeddings). Gemma's embedding scale lives inside its embedding module.
@@ -53,6 +55,7 @@ class Backbone:
         self.num_layers = len(self.layers)
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
+        self.head = Projection(self.lm_head.weight, self.lm_head.bias)  # layout timed per row count
         self.sliding_window = self._sliding_window(config)
 
     @staticmethod
@@ -122,7 +125,8 @@ class Backbone:
         return self.norm(hidden)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(normed)
+        """(..., H) final-normed states -> (..., V) logits, in the layout measured fastest (projection.py)."""
+        return self.head(normed)
 
 
 def config_fingerprint(config) -> str:

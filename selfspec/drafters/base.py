@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from ..backbone import Backbone
+from ..projection import Projection
 from ..sampling import SamplingParams, pick_candidates, probs_from_logits
 from ..tree import Tree
 from ..verify import Accepted
@@ -104,7 +105,10 @@ def tree_width(tree: Tree) -> int:
     return max((tree.width_at(d) for d in range(1, tree.depth + 1)), default=1)
 
 
-def lm_head_rows(backbone: Backbone, vocab: torch.Tensor | None) -> torch.Tensor:
-    """LM-head weight rows the draft scores against: all of them, or a frequent-token subset."""
-    w = backbone.lm_head.weight
-    return w if vocab is None else w.index_select(0, vocab)
+def draft_head(backbone: Backbone, vocab: torch.Tensor | None) -> Projection:
+    """The LM-head rows a draft scores against: all of them, or a frequent-token subset."""
+    if vocab is None:
+        return backbone.head
+    bias = backbone.lm_head.bias
+    return Projection(backbone.lm_head.weight.index_select(0, vocab),
+                      None if bias is None else bias.index_select(0, vocab))

@@ -16,9 +16,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.nn import functional as F
 
 from .. import cache as kv
+from ..projection import Projection
 from ..tree import Tree
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, layout, row_candidates
@@ -65,7 +65,10 @@ class DraftModelDrafter(Drafter):
         subset = getattr(draft_model.config, "selfspec_draft_vocab", None)
         w = draft_model.get_output_embeddings().weight
         self.vocab = None if subset is None else torch.as_tensor(subset, dtype=torch.long, device=w.device)
-        self.weight = None if self.vocab is None else w.index_select(0, self.vocab)  # (V_draft, H)
+        # Scores only the target's vocabulary (or the draft's subset of it), in the fastest layout.
+        b = getattr(draft_model.get_output_embeddings(), "bias", None)
+        rows = slice(0, vocab_size) if self.vocab is None else self.vocab
+        self.project = Projection(w[rows], None if b is None else b[rows])
 
     @property
     def device(self) -> torch.device:
@@ -80,12 +83,8 @@ class DraftModelDrafter(Drafter):
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(self.seen, self.seen + len(ids), device=self.device)[None]
         self.seen += len(ids)
-        if self.vocab is not None:
-            out = self.model.get_decoder()(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True)
-            return F.linear(out.last_hidden_state[0, -1], self.weight)
-        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
-        return out.logits[0, -1, : self.vocab_size]
+        out = self.model.get_decoder()(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        return self.project(out.last_hidden_state[0, -1:])[0]
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:

@@ -20,14 +20,13 @@ the verification pass captured.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from ..backbone import Backbone
 from .. import cache as kv
 from ..heads import ExitLayerHead, Heads
 from ..tree import Tree
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, Resume, TargetOut, layout, lm_head_rows, row_candidates, tree_width
+from .base import DecodeState, Draft, Drafter, Resume, TargetOut, layout, draft_head, row_candidates, tree_width
 
 
 class EarlyExitDrafter(Drafter):
@@ -48,7 +47,7 @@ class EarlyExitDrafter(Drafter):
         self.exit_layer = exit_layer
         self.width = tree_width(tree)
         self.vocab = heads.draft_vocab
-        self.weight = lm_head_rows(backbone, self.vocab)  # (V_draft, H)
+        self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.stateful = isinstance(heads.module, ExitLayerHead)
         self.capture_layer = exit_layer if self.stateful else None
         self.adapter_cache = kv.new_cache()
@@ -93,7 +92,7 @@ class EarlyExitDrafter(Drafter):
                               position_ids=torch.tensor([[past + j]], device=bb.device),
                               attention_mask=None, cache=state.cache)          # (1, 1, H)
             hiddens.append(h)
-            z = F.linear(bb.final_norm(self._adapt(h, past + j)[0]), self.weight)  # (1, V_draft)
+            z = self.project(bb.final_norm(self._adapt(h, past + j)[0]))  # (1, V_draft)
             cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=state)
             rows.append(cand.tokens)
             qs.append(cand.q)

@@ -7,13 +7,12 @@ previous verification (or prefill), and head d's top candidates fill depth d of 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from ..backbone import Backbone
 from ..heads import Heads
 from ..tree import Tree
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, layout, lm_head_rows, row_candidates, tree_width
+from .base import DecodeState, Draft, Drafter, TargetOut, layout, draft_head, row_candidates, tree_width
 
 
 class MedusaDrafter(Drafter):
@@ -27,7 +26,7 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         self.tree = tree
         self.vocab = heads.draft_vocab
-        self.weight = lm_head_rows(backbone, self.vocab)  # (V_draft, H)
+        self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.hidden: torch.Tensor | None = None          # (H,) that produced the pending token
 
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
@@ -41,7 +40,7 @@ class MedusaDrafter(Drafter):
         if self.heads.config.token_input:
             root = self.backbone.embed(torch.tensor([state.ids[-1]], device=self.hidden.device))[0, 0]  # (H,)
         h = self.heads.module(self.hidden, root)[:depth]
-        logits = F.linear(h, self.weight)
+        logits = self.project(h)
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
         return Draft(tree=self.tree, tokens=layout(self.tree, state.ids[-1], cand.tokens), q=cand.q)

@@ -1,0 +1,46 @@
+import pytest
+import torch
+from torch.nn import functional as F
+
+from selfspec.projection import LAYOUTS, MIN_TUNED_ELEMENTS, Projection
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_every_layout_computes_the_same_product(name, rows):
+    if name == "weight-major-pad2" and rows != 1:
+        pytest.skip("the padded layout is for one row")
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(300, 16, generator=g), torch.randn(rows, 16, generator=g)
+    out = LAYOUTS[name](x, w)
+    assert out.shape == (rows, 300) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_projection_matches_linear_and_remembers_its_choice():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(MIN_TUNED_ELEMENTS // 64, 64, generator=g)
+    b = torch.randn(w.shape[0], generator=g)
+    proj = Projection(w, b)
+    assert proj.autotune
+    for shape in [(1, 64), (1, 3, 64), (4, 64)]:
+        x = torch.randn(*shape, generator=g)
+        out = proj(x)
+        assert out.shape == (*shape[:-1], w.shape[0])
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    # One timing per row count, with every candidate layout measured (padding only for one row).
+    assert sorted(proj.choice) == [1, 3, 4]
+    assert set(proj.timings[1]) == set(LAYOUTS)
+    assert set(proj.timings[3]) == {"linear", "weight-major"}
+    assert all(proj.choice[r] == min(t, key=t.get) for r, t in proj.timings.items())
+    before = dict(proj.timings)
+    proj(torch.randn(3, 64, generator=g))
+    assert proj.timings == before   # a seen row count is not timed again
+
+
+def test_small_weights_are_not_timed():
+    w = torch.randn(32, 8)
+    proj = Projection(w)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(proj(x), F.linear(x, w))
+    assert not proj.autotune and proj.choice == {}
