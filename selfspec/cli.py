@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_args(p)
     p.set_defaults(func=run_tune)
 
+    from .training.evaluate import add_eval_args, run_eval_heads
+
+    p = sub.add_parser("eval-heads", help="per-head top-1/top-5 accuracy of trained heads on prompts they never saw")
+    add_eval_args(p)
+    p.set_defaults(func=run_eval_heads)
+
     p = sub.add_parser("bench", help="compare decoding methods side by side against transformers' greedy generate")
     add_bench_args(p)
     p.set_defaults(func=run_bench_cli)

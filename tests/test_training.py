@@ -350,3 +350,76 @@ def test_token_input_heads_see_the_same_root_in_training_eval_and_tree_tuning(tm
     assert 0 < ev.top1[0] < 1  # the token weights matter: neither all right nor all wrong
     with pytest.raises(ValueError, match="root"):
         heads.module(torch.zeros(2, model.config.hidden_size))
+
+
+def _brute_force_top1(model, heads, seqs):
+    """Per head: share of decode positions t whose drafted top-1 (one fresh forward of ids[:t + 1]) is right."""
+    from selfspec.backbone import Backbone
+
+    bb, vocab = Backbone(model), heads.draft_vocab
+    w = bb.lm_head.weight if vocab is None else bb.lm_head.weight[vocab]
+    K = heads.config.num_heads if heads.config.kind == "medusa" else 1
+    hits, total = [0] * K, [0] * K
+    with torch.no_grad():
+        for s in seqs:
+            ids = s.ids
+            for t in range(s.response_start - 1, len(ids) - 1):
+                out = model.model(input_ids=ids[None, : t + 1], output_hidden_states=True)
+                for k in range(K):
+                    target = t + k + 2 if heads.config.kind == "medusa" else t + 1
+                    if target >= len(ids):
+                        continue
+                    if heads.config.kind == "medusa":
+                        root = bb.embed_tokens(ids[t + 1 : t + 2])[0]
+                        z = heads.module(out.last_hidden_state[0, -1], root)[k] @ w.T
+                    else:
+                        h = heads.module(out.hidden_states[heads.config.exit_layer][:, -1:])
+                        z = bb.final_norm(h)[0, 0] @ w.T
+                    best = int(z.argmax()) if vocab is None else int(vocab[z.argmax()])
+                    hits[k] += best == int(ids[target])
+                    total[k] += 1
+    return [h / n for h, n in zip(hits, total)]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "early-exit"])
+def test_eval_heads_scores_unseen_prompts_where_decoding_uses_the_heads(tmp_path, monkeypatch, kind):
+    from test_training_data import make_model, make_tokenizer
+
+    from selfspec.training.data import generate_distillation_data, load_distillation_data
+    from selfspec.training.evaluate import eval_heads
+
+    torch.set_num_threads(1)
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    g = torch.Generator().manual_seed(0)
+    words = lambda n: " ".join(f"w{int(i)}" for i in torch.randint(0, 58, (n,), generator=g))  # noqa: E731
+    train_rows = [{"id": f"t{i}", "prompt": words(5)} for i in range(16)]
+    dev_rows = [{"id": f"d{i}", "prompt": words(6)} for i in range(4)]
+    ds = generate_distillation_data(model, tokenizer, train_rows, tmp_path / "train", max_new_tokens=10,
+                                    batch_size=1, progress=False)
+    cfg = _cfg(tmp_path, "h", kind=kind, num_heads=3, steps=15, lr=3e-2, warmup=2, batch_size=4,
+               draft_vocab_size=40, exit_intermediate=32)
+    train_heads(model, ds, config=cfg, name="tiny", progress=False)
+    heads = load_heads(cfg.out, expect_kind=kind, fingerprint=config_fingerprint(model.config))
+
+    held = to_sequences(ds, max_len=1024)[:3]
+    r = eval_heads(model, tokenizer, heads, dev_rows, max_new_tokens=10, batch_size=1, held_out=held, progress=False)
+    n_heads = 3 if kind == "medusa" else 1
+    assert r["kind"] == kind and r["prompts"] == 4 and len(r["top1"]) == n_heads
+    assert all(0 <= a <= b <= 1 for a, b in zip(r["top1"], r["top5"]))
+    # An independent count: draft from a fresh forward at every decode position, compare with the answer.
+    seqs = to_sequences(load_distillation_data(r["data"]), max_len=1024)
+    assert r["top1"] == pytest.approx(_brute_force_top1(model, heads, seqs), abs=1e-6)
+    assert r["held_out_train_split"]["top1"] == pytest.approx(_brute_force_top1(model, heads, held), abs=1e-6)
+    # The answers are cached: a second evaluation does not generate again.
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("answers were generated twice"))
+    assert eval_heads(model, tokenizer, heads, dev_rows, max_new_tokens=10, batch_size=1, progress=False)["top1"] == r["top1"]
+
+
+def test_eval_heads_cli_rejects_a_directory_without_heads(tmp_path, capsys):
+    from selfspec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert main(["eval-heads", "--heads", str(tmp_path), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a heads directory" in err[0]

@@ -88,8 +88,7 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
-def _time(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float]:
-    bb = Backbone(model)
+def _time(bb: Backbone, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float]:
     toks, wall, steps, committed = 0, 0.0, 0, 0
     for p in prompts:
         new, st = decode(bb, drafter, p.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
@@ -114,14 +113,15 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
     else:
         specs = list(EXIT_TREES)
         make = lambda spec: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)))  # noqa: E731
-    _time(model, make(specs[0]), prompts[:1], 16)  # warm-up
+    for spec in specs:  # warm-up, and the LM-head projection times its layouts for each tree size here
+        _time(bb, make(spec), prompts[:1], 4)
     runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(specs))}
     bar = tqdm(total=repeats * len(specs), desc="tune-tree", disable=not progress)
     for rep in range(repeats):
         order = list(range(len(specs)))
         order = order[rep % len(order):] + order[: rep % len(order)]  # rotate: drift hits all alike
         for i in order:
-            runs[i].append(_time(model, make(specs[i]), prompts, max_new_tokens))
+            runs[i].append(_time(bb, make(specs[i]), prompts, max_new_tokens))
             bar.update(1)
     bar.close()
     cands = [Candidate(spec=specs[i], size=build_tree(parse_tree(specs[i], default=())).size - 1,

@@ -1,0 +1,163 @@
+"""``selfspec eval-heads``: per-head accuracy of trained heads on prompts they never saw.
+
+The target answers the prompts greedily in the dtype it decodes in (batched, resumable, cached
+under ``$SELFSPEC_HOME/eval-data``), then each head is scored where decoding uses it: from the
+position that produced the pending token onwards, against the target's actual next tokens (a
+token outside the heads' draft vocabulary counts as a miss, since it could never be drafted).
+Medusa head k (1-based) at position t proposes the token at t + k + 1; the exit head at t
+proposes the token at t + 1 (its top-1 is its agreement with the full model). The same numbers
+are computed on the heads' own held-out training split, so the gap between training-like and
+unseen prompts is measured, not guessed. Prompts are picked like ``selfspec bench`` picks them
+(``--limit`` / ``--sample`` with ``--seed``), so an evaluation and a bench run can cover the same
+prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..backbone import Backbone, config_fingerprint
+from ..drafters.base import draft_head
+from ..heads import ExitLayerHead, load_heads
+from .losses import to_subset_ids
+from .train import Sequence, to_sequences
+from .tune import heldout_sequences, medusa_rank_accuracy
+
+
+def eval_data_dir(model, prompts: list[dict], *, max_new_tokens: int) -> Path:
+    """Cache directory for the target's answers to these prompts (keyed by model, prompts and length)."""
+    from ..loading import selfspec_home
+
+    h = hashlib.sha1(f"{config_fingerprint(model.config)}:{model.dtype}:{max_new_tokens}".encode())
+    for row in prompts:
+        h.update(json.dumps([row["id"], row["prompt"]]).encode())
+    return selfspec_home() / "eval-data" / h.hexdigest()[:20]
+
+
+@torch.no_grad()
+def exit_rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
+    """acc[0][r] = P(the target's next token is the exit head's rank-r candidate), on response positions."""
+    bb = Backbone(model)
+    E = heads.config.exit_layer
+    project = draft_head(bb, heads.draft_vocab)
+    hits, total = torch.zeros(max_rank), 0
+    for s in seqs:
+        ids = s.ids.to(bb.device)[None]
+        h = bb.model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states[E]  # (1, L, H)
+        if isinstance(heads.module, ExitLayerHead):
+            pos = torch.arange(ids.shape[1], device=bb.device)[None]
+            h = heads.module(h, position_embeddings=bb.rotary_emb(h, position_ids=pos), position_ids=pos)
+        else:
+            h = heads.module(h)
+        z = project(bb.final_norm(h))[0]                                            # (L, V_sub)
+        # The exit head at position t drafts the token at t + 1 (t = the pending token's position).
+        t = torch.arange(max(s.response_start - 1, 0), ids.shape[1] - 1, device=bb.device)
+        rank = _rank_of(z[t], ids[0, t + 1], heads.draft_vocab, max_rank)
+        hits += torch.stack([(rank == r).sum() for r in range(max_rank)]).float().cpu()
+        total += len(t)
+    return [(hits / max(total, 1)).tolist()]
+
+
+def _rank_of(scores: torch.Tensor, tokens: torch.Tensor, vocab: torch.Tensor | None, max_rank: int) -> torch.Tensor:
+    """Rank of each token among its row's scores (n, V_sub); max_rank when outside the draft vocabulary."""
+    rows = tokens if vocab is None else to_subset_ids(tokens, vocab)
+    mine = scores.gather(1, rows.clamp(min=0)[:, None])
+    rank = (scores > mine).sum(1)
+    return torch.where(rows >= 0, rank, torch.full_like(rank, max_rank))
+
+
+def rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
+    """acc[k][r]: head k's rank-r candidate is the target's token (decode-aligned; see the module doc)."""
+    if heads.config.kind == "medusa":
+        return medusa_rank_accuracy(model, heads, seqs, max_rank=max_rank)
+    return exit_rank_accuracy(model, heads, seqs, max_rank=max_rank)
+
+
+def _summary(acc: list[list[float]], n_seqs: int) -> dict:
+    return {"prompts": n_seqs, "top1": [a[0] for a in acc], "top5": [sum(a[:5]) for a in acc]}
+
+
+@torch.no_grad()
+def eval_heads(model, tokenizer, heads, prompts: list[dict], *, max_new_tokens: int = 128, batch_size: int = 16,
+               held_out: list[Sequence] | None = None, progress: bool = True) -> dict:
+    """Answer ``prompts`` with the target (cached), then score ``heads`` on every response position
+    (and on ``held_out`` training sequences, when given, the same way)."""
+    from . import data as gen
+
+    out_dir = eval_data_dir(model, prompts, max_new_tokens=max_new_tokens)
+    dataset = gen.generate_distillation_data(model, tokenizer, prompts, out_dir, max_new_tokens=max_new_tokens,
+                                             batch_size=batch_size, progress=progress)
+    seqs = to_sequences(dataset, max_len=1 << 30)
+    result = {"kind": heads.config.kind, "data": str(out_dir), **_summary(rank_accuracy(model, heads, seqs), len(seqs))}
+    if held_out is not None:
+        result["held_out_train_split"] = _summary(rank_accuracy(model, heads, held_out), len(held_out))
+    return result
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--heads", required=True, help="a heads directory (Medusa or early-exit)")
+    p.add_argument("--prompts", required=True, help="JSONL with a prompt per line, e.g. dev.jsonl (never the training prompts)")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts")
+    p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts, as `selfspec bench --sample`")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16, help="prompts answered at once")
+    p.add_argument("--data", default=None,
+                   help="the heads' training data, to score their held-out split the same way (default: the "
+                        "directory recorded in the heads' config, when it exists; 'none' to skip)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_eval_heads(args: argparse.Namespace) -> int:
+    from ..bench.harness import load_prompts
+    from ..loading import load_model
+
+    for flag in ("limit", "sample", "max_new_tokens", "batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg_path = Path(args.heads) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{args.heads} is not a heads directory (no config.json)")
+    kind = json.loads(cfg_path.read_text()).get("kind")
+    prompts = [{"id": p.id, "prompt": p.text}
+               for p in load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)]
+    if not prompts:
+        raise ValueError(f"{args.prompts} holds no prompts")
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    w = loaded.model.get_output_embeddings().weight
+    heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
+                       device=w.device, dtype=w.dtype, model=loaded.model)
+    data = args.data or (heads.config.extra or {}).get("data")
+    held = heldout_sequences(data, heads) if data and data != "none" and Path(data).is_dir() else None
+    r = eval_heads(loaded.model, loaded.tokenizer, heads, prompts, max_new_tokens=args.max_new_tokens,
+                   batch_size=args.batch_size, held_out=held, progress=not args.no_progress)
+    r.update(heads=str(args.heads), prompts_file=str(args.prompts), limit=args.limit, sample=args.sample,
+             seed=args.seed, max_new_tokens=args.max_new_tokens, train_data=data if held else None)
+    if args.json:
+        json.dump(r, sys.stdout, indent=1)
+        print()
+        return 0
+    ref = r.get("held_out_train_split")
+    print(f"{r['kind']} heads {args.heads}: {r['prompts']} prompts from {args.prompts}, {args.max_new_tokens} new tokens"
+          + (f"; held-out split of {data}: {ref['prompts']} sequences" if ref else ""))
+    print("| head | top-1 | top-5 |" + (" top-1 held-out train | top-5 held-out train |" if ref else "")
+          + "\n|---|---|---|" + ("---|---|" if ref else ""))
+    for k, (t1, t5) in enumerate(zip(r["top1"], r["top5"])):
+        name = str(k + 1) if r["kind"] == "medusa" else f"exit (layer {heads.config.exit_layer})"
+        extra = f" {ref['top1'][k]:.3f} | {ref['top5'][k]:.3f} |" if ref else ""
+        print(f"| {name} | {t1:.3f} | {t5:.3f} |{extra}")
+    return 0
