@@ -6,7 +6,8 @@
 Heads directories and distilled drafts (``selfspec_draft.json``) both work.
 
 Training facts come from the heads' config.json (``extra``: data, steps, tokens, wall time,
-held-out accuracy, tree search); tau and speed on dev prompts from a ``selfspec bench`` results.json.
+held-out accuracy, tree search); accuracy on dev prompts from ``selfspec eval-heads --json``
+(``--eval``); tau and speed on dev prompts from a ``selfspec bench`` results.json.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def _bench_section(bench: dict, method: str) -> list[str]:
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
             f"(median per prompt {m['speedup_median']:.2f}x)",
             f"- identical to transformers greedy: {m['identical']}", ""]
+
+
+def _eval_section(ev: dict) -> list[str]:
+    ref = ev.get("held_out_train_split")
+    medusa = ev["kind"] == "medusa"
+    lines = ["## Accuracy on unseen prompts", "",
+             f"`{ev.get('command')}`", "",
+             f"{ev['prompts']} prompts of `{ev['prompts_file']}`, the target's own greedy answers "
+             f"({ev['max_new_tokens']} new tokens), each head scored where decoding uses it, against the target's "
+             f"actual tokens (a token outside the draft vocabulary counts as a miss)"
+             + (f"; the same count on the {ref['prompts']} held-out training sequences for comparison:" if ref else ":"),
+             "", "| head | top-1 | top-5 |" + (" top-1 held-out train | top-5 held-out train |" if ref else ""),
+             "|---|---|---|" + ("---|---|" if ref else "")]
+    for k, (t1, t5) in enumerate(zip(ev["top1"], ev["top5"])):
+        row = f"| {k + 1 if medusa else 'exit'} | {t1:.1%} | {t5:.1%} |"
+        lines.append(row + (f" {ref['top1'][k]:.1%} | {ref['top5'][k]:.1%} |" if ref else ""))
+    return lines + [""]
 
 
 def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
@@ -63,7 +81,7 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
     return "\n".join(lines)
 
 
-def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
+def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, ev: dict | None = None) -> str:
     if (ckpt / "selfspec_draft.json").is_file():
         return draft_card(ckpt, bench, method, hardware)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -104,6 +122,8 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> s
         for c in ts["candidates"]:
             lines.append(f"| {c['size']} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |")
         lines.append("")
+    if ev:
+        lines += _eval_section(ev)
     if bench and method:
         lines += _bench_section(bench, method)
     return "\n".join(lines)
@@ -114,12 +134,14 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--bench", default=None, help="results.json of a selfspec bench run")
     ap.add_argument("--method", default=None, help="the bench method these heads were measured as")
+    ap.add_argument("--eval", default=None, help="JSON from `selfspec eval-heads --json` on dev prompts")
     ap.add_argument("--hardware", default="2-core CPU (no GPU)")
     ap.add_argument("--reproduce", action="append", default=[], help="a command that rebuilds it (repeatable, in order)")
     a = ap.parse_args()
     bench = json.loads(Path(a.bench).read_text()) if a.bench else None
     ckpt = Path(a.checkpoint)
-    text = card(ckpt, bench, a.method, a.hardware)
+    ev = json.loads(Path(a.eval).read_text()) if a.eval else None
+    text = card(ckpt, bench, a.method, a.hardware, ev)
     if a.reproduce:
         text += "\n## Reproduce\n\n```bash\n" + "\n".join(a.reproduce) + "\n```\n"
     (ckpt / "README.md").write_text(text)

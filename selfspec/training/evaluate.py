@@ -146,7 +146,8 @@ def run_eval_heads(args: argparse.Namespace) -> int:
     r = eval_heads(loaded.model, loaded.tokenizer, heads, prompts, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, held_out=held, progress=not args.no_progress)
     r.update(heads=str(args.heads), prompts_file=str(args.prompts), limit=args.limit, sample=args.sample,
-             seed=args.seed, max_new_tokens=args.max_new_tokens, train_data=data if held else None)
+             seed=args.seed, max_new_tokens=args.max_new_tokens, train_data=data if held else None,
+             command=" ".join(["selfspec"] + sys.argv[1:]))
     if args.json:
         json.dump(r, sys.stdout, indent=1)
         print()
