@@ -56,8 +56,8 @@ def _prompt(vocab: int, seed: int, n: int = 7) -> torch.Tensor:
     return torch.randint(3, vocab, (1, n), generator=g)
 
 
-def _run(model, drafter, ids, n=N_NEW):
-    new, stats = decode(Backbone(model), drafter, ids[0], params=GREEDY, max_new_tokens=n, eos_token_ids=set(),
+def _run(model, drafter, ids, n=N_NEW, backbone=None):
+    new, stats = decode(backbone or Backbone(model), drafter, ids[0], params=GREEDY, max_new_tokens=n, eos_token_ids=set(),
                         generator=None)
     return torch.cat([ids, torch.tensor([new])], dim=1), stats
 
@@ -206,3 +206,33 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, scale)
     n = seq.shape[1]
     torch.testing.assert_close(drafter.adapter_cache.layers[0].keys[:, :, :n], fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drafter.adapter_cache.layers[0].values[:, :, :n], fresh.layers[0].values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["linear", "weight-major"])
+def test_every_lm_head_layout_keeps_the_drafters_exact(monkeypatch, layout):
+    """The LM-head projection picks a layout by timing; force each one (one row: padded) on a tiny model."""
+    from selfspec import projection
+
+    def pick(self, flat):
+        self.choice[flat.shape[0]] = "weight-major-pad2" if layout != "linear" and flat.shape[0] == 1 else layout
+        return self.choice[flat.shape[0]]
+
+    monkeypatch.setattr(projection, "MIN_TUNED_ELEMENTS", 0)
+    monkeypatch.setattr(projection.Projection, "_tune", pick)
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=3)
+    ref = hf_greedy(model, ids, N_NEW)
+    drafters = [
+        NoDrafter(bb.device),
+        MedusaDrafter(bb, _noisy(untrained_heads("medusa", model, "t", token_input=True)), build_tree(MEDUSA_DEFAULT)),
+        EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=1), build_tree(chain_with_siblings(3, 3))),
+        DraftModelDrafter(_with_draft_vocab(tiny_model("llama", seed=5), bb.vocab_size), build_tree(chain(3)),
+                          vocab_size=bb.vocab_size),
+    ]
+    for drafter in drafters:
+        out, _ = _run(model, drafter, ids, backbone=bb)
+        assert torch.equal(out, ref), f"{layout}: {drafter.name} diverged from plain greedy"
+        if hasattr(drafter, "project"):
+            assert drafter.project.choice, f"{drafter.name}'s draft head never went through the projection"
+    assert set(bb.head.choice.values()) == ({"linear"} if layout == "linear" else {"weight-major", "weight-major-pad2"})
