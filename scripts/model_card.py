@@ -81,7 +81,7 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
     return "\n".join(lines)
 
 
-def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, ev: dict | None = None) -> str:
+def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_eval: dict | None = None) -> str:
     if (ckpt / "selfspec_draft.json").is_file():
         return draft_card(ckpt, bench, method, hardware)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -118,12 +118,16 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, ev: 
         lines += ["## Tree (tree=\"auto\")", "",
                   f"Chosen by `selfspec tune-tree` on {ts['held_out_prompts']} held-out training prompts "
                   f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads):", "",
-                  "| nodes | tokens/s | tau |", "|---|---|---|"]
+                  "| tree | draft nodes | tokens/s | tau |", "|---|---|---|---|"]
         for c in ts["candidates"]:
-            lines.append(f"| {c['size']} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |")
+            name = c["spec"] if isinstance(c["spec"], str) else f"{c['size']}-node Medusa tree"
+            lines.append(f"| {name} | {c['size']} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |")
+        chosen = extra.get("tree")
         lines.append("")
-    if ev:
-        lines += _eval_section(ev)
+        lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`.")
+        lines.append("")
+    if dev_eval:
+        lines += _eval_section(dev_eval)
     if bench and method:
         lines += _bench_section(bench, method)
     return "\n".join(lines)
@@ -140,8 +144,8 @@ def main() -> None:
     a = ap.parse_args()
     bench = json.loads(Path(a.bench).read_text()) if a.bench else None
     ckpt = Path(a.checkpoint)
-    ev = json.loads(Path(a.eval).read_text()) if a.eval else None
-    text = card(ckpt, bench, a.method, a.hardware, ev)
+    dev_eval = json.loads(Path(a.eval).read_text()) if a.eval else None
+    text = card(ckpt, bench, a.method, a.hardware, dev_eval)
     if a.reproduce:
         text += "\n## Reproduce\n\n```bash\n" + "\n".join(a.reproduce) + "\n```\n"
     (ckpt / "README.md").write_text(text)
