@@ -25,7 +25,7 @@ def _bench_section(bench: dict, method: str) -> list[str]:
     m = bench["methods"][method]
     c = bench["config"]
     acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or [])
-    return ["## Measured on dev prompts", "",
+    lines = ["## Measured on dev prompts", "",
             f"`{c.get('command')}`", "",
             f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
             f"{c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}`:", "",
@@ -33,7 +33,12 @@ def _bench_section(bench: dict, method: str) -> list[str]:
             f"- acceptance by depth: {acc}",
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
             f"(median per prompt {m['speedup_median']:.2f}x)",
-            f"- identical to transformers greedy: {m['identical']}", ""]
+            f"- identical to transformers greedy: {m['identical']}"]
+    ar = bench["methods"].get("selfspec-ar")
+    if ar and method != "selfspec-ar":
+        lines.append(f"- selfspec with no drafter (`selfspec-ar`) in the same run: {ar['speedup']:.2f}x, so the "
+                     f"drafter's own contribution is {m['speedup'] / ar['speedup']:.2f}x")
+    return lines + [""]
 
 
 def _eval_section(ev: dict) -> list[str]:
@@ -112,7 +117,8 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               f"- response tokens seen: {extra.get('tokens_seen')}",
               f"- wall time: {extra.get('wall_s')} s on {hardware} (the one-off backbone feature pass not included)",
               f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
-              f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions", ""]
+              f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
+              f"count, which also scores deeper heads from the prompt's last positions)", ""]
     ts = extra.get("tree_search")
     if ts:
         lines += ["## Tree (tree=\"auto\")", "",

@@ -24,8 +24,12 @@ def section(run: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 0 if argv else 2
+    missing = [d for d in argv if not (Path(d) / "results.json").is_file()]
+    if missing:
+        print(f"{missing[0]} is not a `selfspec bench --out` directory (no results.json)", file=sys.stderr)
         return 2
     readme = Path("README.md")
     text = readme.read_text()

@@ -423,3 +423,30 @@ def test_eval_heads_cli_rejects_a_directory_without_heads(tmp_path, capsys):
     assert main(["eval-heads", "--heads", str(tmp_path), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a heads directory" in err[0]
+
+
+def test_held_out_split_ignores_data_appended_after_training(tmp_path):
+    from test_training_data import make_model, make_tokenizer
+
+    from selfspec.training.data import generate_distillation_data
+    from selfspec.training.tune import heldout_sequences
+
+    torch.set_num_threads(1)
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = [{"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 58}" for j in range(4))} for i in range(30)]
+    data = tmp_path / "data"
+    ds = generate_distillation_data(model, tokenizer, rows[:20], data, max_new_tokens=4, batch_size=4, progress=False)
+    cfg = _cfg(tmp_path, "h", steps=2, draft_vocab_size=0, eval_fraction=0.25)
+    train_heads(model, ds, config=cfg, name="tiny", data_dir=str(data), progress=False)
+    heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=config_fingerprint(model.config))
+    assert heads.config.extra["sequences"] == 20
+    before = [s.ids.tolist() for s in heldout_sequences(str(data), heads)]
+    assert len(before) == 5
+    # The directory grows (gen-data resumed with more prompts): the held-out split must not move.
+    generate_distillation_data(model, tokenizer, rows, data, max_new_tokens=4, batch_size=4, progress=False)
+    assert [s.ids.tolist() for s in heldout_sequences(str(data), heads)] == before
+    # A directory with fewer sequences than the run saw is the wrong one.
+    small = tmp_path / "small"
+    generate_distillation_data(model, tokenizer, rows[:10], small, max_new_tokens=4, batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="trained on 20 sequences"):
+        heldout_sequences(str(small), heads)

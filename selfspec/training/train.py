@@ -641,7 +641,7 @@ def train_heads(
 
     def save(state: RunState, wall: float) -> None:
         heads.config.extra = {
-            "data": data_dir, "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
+            "data": data_dir, "sequences": len(seqs), "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
             "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config),
         }
         saved_state = {

@@ -42,9 +42,20 @@ class Candidate:
 
 
 def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
-    """The eval split of the heads' training run (recorded seed / fraction / max_len)."""
-    tc = (heads.config.extra or {}).get("train_config") or {}
+    """The eval split of the heads' training run (recorded seed / fraction / max_len / sequence count).
+
+    Data directories only grow by appended shards, so a run's sequences are the first ``sequences``
+    of the directory now; the split is recomputed over exactly those, never over rows added later
+    (which would move training sequences into the "held-out" set).
+    """
+    extra = heads.config.extra or {}
+    tc = extra.get("train_config") or {}
     seqs = to_sequences(load_distillation_data(data_dir), max_len=tc.get("max_len", 1024))
+    n = extra.get("sequences", len(seqs))
+    if n > len(seqs):
+        raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
+                         "pass the data directory they were trained on")
+    seqs = seqs[:n]
     _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
     if not held:
         raise ValueError("the heads' training run held nothing out (eval_fraction 0): cannot tune without leakage")
