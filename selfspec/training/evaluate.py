@@ -21,13 +21,12 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from ..backbone import Backbone, config_fingerprint
-from ..drafters.base import draft_head
 from ..heads import ExitLayerHead, load_heads
-from .losses import to_subset_ids
 from .train import Sequence, to_sequences
-from .tune import heldout_sequences, medusa_rank_accuracy
+from .tune import heldout_sequences, medusa_rank_accuracy, rank_of
 
 
 def eval_data_dir(model, prompts: list[dict], *, max_new_tokens: int) -> Path:
@@ -45,7 +44,8 @@ def exit_rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5)
     """acc[0][r] = P(the target's next token is the exit head's rank-r candidate), on response positions."""
     bb = Backbone(model)
     E = heads.config.exit_layer
-    project = draft_head(bb, heads.draft_vocab)
+    vocab = heads.draft_vocab
+    w = bb.lm_head.weight if vocab is None else bb.lm_head.weight.index_select(0, vocab)  # (V_sub, H)
     hits, total = torch.zeros(max_rank), 0
     for s in seqs:
         ids = s.ids.to(bb.device)[None]
@@ -55,21 +55,13 @@ def exit_rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5)
             h = heads.module(h, position_embeddings=bb.rotary_emb(h, position_ids=pos), position_ids=pos)
         else:
             h = heads.module(h)
-        z = project(bb.final_norm(h))[0]                                            # (L, V_sub)
+        z = F.linear(bb.final_norm(h), w)[0]                                        # (L, V_sub)
         # The exit head at position t drafts the token at t + 1 (t = the pending token's position).
         t = torch.arange(max(s.response_start - 1, 0), ids.shape[1] - 1, device=bb.device)
-        rank = _rank_of(z[t], ids[0, t + 1], heads.draft_vocab, max_rank)
+        rank = rank_of(z[t], ids[0, t + 1], vocab, max_rank)
         hits += torch.stack([(rank == r).sum() for r in range(max_rank)]).float().cpu()
         total += len(t)
     return [(hits / max(total, 1)).tolist()]
-
-
-def _rank_of(scores: torch.Tensor, tokens: torch.Tensor, vocab: torch.Tensor | None, max_rank: int) -> torch.Tensor:
-    """Rank of each token among its row's scores (n, V_sub); max_rank when outside the draft vocabulary."""
-    rows = tokens if vocab is None else to_subset_ids(tokens, vocab)
-    mine = scores.gather(1, rows.clamp(min=0)[:, None])
-    rank = (scores > mine).sum(1)
-    return torch.where(rows >= 0, rank, torch.full_like(rank, max_rank))
 
 
 def rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:

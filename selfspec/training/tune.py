@@ -27,6 +27,7 @@ from ..heads import Heads, load_heads, save_heads
 from ..sampling import SamplingParams
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .data import load_distillation_data
+from .losses import to_subset_ids
 from .train import Sequence, split_eval, to_sequences
 
 MEDUSA_SIZES = (2, 3, 4, 6, 8, 12, 16)  # nodes; on a CPU every verified token costs, so small trees often win
@@ -62,16 +63,20 @@ def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
     return [seqs[i] for i in held]
 
 
+def rank_of(scores: torch.Tensor, tokens: torch.Tensor, vocab: torch.Tensor | None, max_rank: int) -> torch.Tensor:
+    """Rank of each token among its row's scores (n, V_sub); max_rank when outside the draft vocabulary."""
+    rows = tokens if vocab is None else to_subset_ids(tokens, vocab)
+    mine = scores.gather(1, rows.clamp(min=0)[:, None])
+    rank = (scores > mine).sum(1)
+    return torch.where(rows >= 0, rank, torch.full_like(rank, max_rank))
+
+
 @torch.no_grad()
 def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
     """acc[d][r] = P(the target's token at depth d + 1 is head d + 1's rank-r candidate), on response positions."""
     bb = Backbone(model)
     vocab = heads.draft_vocab
     w = bb.lm_head.weight if vocab is None else bb.lm_head.weight.index_select(0, vocab)
-    to_sub = None
-    if vocab is not None:  # token id -> row in the draft vocabulary (-1: not proposable)
-        to_sub = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=w.device)
-        to_sub[vocab] = torch.arange(len(vocab), device=w.device)
     K = heads.config.num_heads
     hits = torch.zeros(K, max_rank)
     total = torch.zeros(K)
@@ -86,13 +91,7 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
             t = torch.arange(max(s.response_start - 1, 0), L - k - 2, device=w.device)
             if len(t) == 0:
                 continue
-            true = ids[0, t + k + 2]
-            rows = true if to_sub is None else to_sub[true]
-            ok = rows >= 0
-            scores = z[t, k]                                                       # (n, V_sub)
-            mine = scores.gather(1, rows.clamp(min=0)[:, None])
-            rank = (scores > mine).sum(1)
-            rank = torch.where(ok, rank, torch.full_like(rank, max_rank))
+            rank = rank_of(z[t, k], ids[0, t + k + 2], vocab, max_rank)           # scores (n, V_sub)
             for r in range(max_rank):
                 hits[k, r] += float((rank == r).sum())
             total[k] += len(t)
