@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser("gen-data", help="self-distillation data: the target answers prompts (resumable)")
         training_data.add_data_args(p)
         p.set_defaults(func=lambda a: training_data.run_from_args(a) or 0)
+        from .training.synth import add_synth_args, run_synth
+
+        p = sub.add_parser("synth-prompts", help="self-instruct: the target writes new prompts in the style of seed prompts")
+        add_synth_args(p)
+        p.set_defaults(func=run_synth)
     return parser
 
 

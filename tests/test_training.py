@@ -450,3 +450,31 @@ def test_held_out_split_ignores_data_appended_after_training(tmp_path):
     generate_distillation_data(model, tokenizer, rows[:10], small, max_new_tokens=4, batch_size=4, progress=False)
     with pytest.raises(ValueError, match="trained on 20 sequences"):
         heldout_sequences(str(small), heads)
+
+
+def test_held_out_split_over_several_directories_is_pinned_per_directory(tmp_path):
+    from test_training_data import make_model, make_tokenizer
+
+    from selfspec.training.data import generate_distillation_data, load_distillation_data, row_counts, select_prompts
+    from selfspec.training.tune import heldout_sequences
+
+    torch.set_num_threads(1)
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = [{"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 58}" for j in range(4))} for i in range(30)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    generate_distillation_data(model, tokenizer, rows[:12], a, max_new_tokens=4, batch_size=4, progress=False)
+    generate_distillation_data(model, tokenizer, select_prompts(rows[:4], samples=2), b, max_new_tokens=4, batch_size=4,
+                               temperature=1.0, progress=False)
+    spec = f"{a},{b}"
+    cfg = _cfg(tmp_path, "h", steps=2, draft_vocab_size=0, eval_fraction=0.25)
+    train_heads(model, load_distillation_data(spec), config=cfg, name="tiny", data_dir=spec, data_rows=row_counts(spec),
+                progress=False)
+    heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=config_fingerprint(model.config))
+    assert heads.config.extra["rows"] == [12, 8] and heads.config.extra["data"] == spec
+    before = [s.ids.tolist() for s in heldout_sequences(spec, heads)]
+    assert len(before) == 5
+    # The first directory grows: rows appended to it must not shift the second's rows into the split.
+    generate_distillation_data(model, tokenizer, rows, a, max_new_tokens=4, batch_size=4, progress=False)
+    assert [s.ids.tolist() for s in heldout_sequences(spec, heads)] == before
+    with pytest.raises(ValueError, match="read 2 data directories but 1 were given"):
+        heldout_sequences(str(a), heads)

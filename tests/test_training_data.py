@@ -21,6 +21,8 @@ from selfspec.training.data import (
     load_prompts,
     prompt_token_ids,
     read_meta,
+    row_counts,
+    select_prompts,
 )
 
 PAD, BOS, EOS = 0, 2, 3
@@ -268,6 +270,54 @@ def test_foreign_directory_is_refused(tmp_path):
         load_distillation_data(tmp_path / "d")
 
 
+def test_select_prompts_filters_sources_and_repeats_with_distinct_ids():
+    rows = [{"id": "a", "prompt": "x", "source": "s1"}, {"id": "b", "prompt": "y", "source": "s2"}]
+    assert select_prompts(rows) == rows
+    assert [r["id"] for r in select_prompts(rows, sources=["s2"])] == ["b"]
+    picked = select_prompts(rows, sources=["s1", "s2"], samples=3)
+    assert [r["id"] for r in picked] == ["a~0", "a~1", "a~2", "b~0", "b~1", "b~2"]
+    assert [r["prompt"] for r in picked] == ["x"] * 3 + ["y"] * 3
+    with pytest.raises(ValueError, match="no prompt has source 's3'"):
+        select_prompts(rows, sources=["s3"])
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        select_prompts(rows, samples=0)
+
+
+def test_sampled_copies_of_a_prompt_differ(tmp_path):
+    rows = select_prompts(prompts(2), samples=4)
+    ds = generate_distillation_data(make_model(), make_tokenizer(chat=True), rows, tmp_path / "d", max_new_tokens=8,
+                                    batch_size=8, temperature=1.0, progress=False)
+    by_id = dict(zip(ds["id"], ds["input_ids"]))
+    assert sorted(by_id) == sorted(r["id"] for r in rows)
+    assert len({tuple(by_id[f"p0~{k}"]) for k in range(4)}) > 1
+
+
+def test_several_directories_load_together_and_pin_their_rows(tmp_path):
+    model, tok = make_model(), make_tokenizer(chat=True)
+    a = generate_distillation_data(model, tok, prompts(6), tmp_path / "a", max_new_tokens=4, batch_size=2, progress=False)
+    b = generate_distillation_data(model, tok, select_prompts(prompts(3), samples=2), tmp_path / "b", max_new_tokens=6,
+                                   batch_size=2, temperature=1.0, progress=False)
+    spec = f"{tmp_path / 'a'},{tmp_path / 'b'}"
+    both = load_distillation_data(spec)
+    assert list(both["id"]) == list(a["id"]) + list(b["id"])
+    assert row_counts(spec) == [6, 6]
+    # Directory a grows later: pinned row counts still give exactly the rows a run saw.
+    generate_distillation_data(model, tok, prompts(9), tmp_path / "a", max_new_tokens=4, batch_size=2, progress=False)
+    assert row_counts(spec) == [9, 6]
+    assert list(load_distillation_data(spec, rows=[6, 6])["id"]) == list(both["id"])
+    with pytest.raises(ValueError, match="holds 6 rows but the run used 7"):
+        load_distillation_data(spec, rows=[6, 7])
+    with pytest.raises(ValueError, match="read 1 data directories but 2 were given"):
+        load_distillation_data(spec, rows=[6])
+    # Data from another model (other EOS ids) cannot be mixed in.
+    other = tmp_path / "other"
+    generate_distillation_data(model, tok, prompts(2), other, max_new_tokens=4, batch_size=2, progress=False)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "eos_token_ids": [1]}))
+    with pytest.raises(ValueError, match="differs from .* in eos_token_ids"):
+        load_distillation_data(f"{tmp_path / 'a'},{other}")
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 
@@ -276,6 +326,19 @@ def test_cli_arguments_have_documented_defaults():
 
     args = add_data_args(argparse.ArgumentParser()).parse_args(["--model", "m", "--prompts", "p.jsonl", "--out", "o"])
     assert (args.max_new_tokens, args.batch_size, args.temperature, args.max_prompts, args.threads) == (128, 64, 0.0, None, None)
+
+
+def test_cli_refuses_several_greedy_samples(tmp_path):
+    good = write_jsonl(tmp_path / "p.jsonl", prompts(2))
+    proc = subprocess.run(
+        [sys.executable, "-m", "selfspec.training.data", "--model", "smollm2-135m", "--prompts", str(good),
+         "--out", str(tmp_path / "o"), "--samples", "3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --samples 3 with greedy decoding would store 3 identical answers: "
+                                                "set --temperature > 0 (e.g. 0.7)"]
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_reports_bad_prompts_in_one_line(tmp_path):

@@ -117,6 +117,26 @@ def load_prompts(source, *, max_prompts: int | None = None, split: str = "train"
     return rows
 
 
+def select_prompts(rows: list[dict], *, sources: list[str] | None = None, samples: int = 1) -> list[dict]:
+    """Keep the rows whose "source" is in ``sources`` (all when None), each repeated ``samples`` times.
+
+    Copy k of a prompt gets the id ``<id>~<k>``: ids stay unique, a resumed run skips the copies it
+    already stored, and each copy's batch seeds its own sample (so ``samples > 1`` needs sampling).
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if sources is not None:
+        known = {row.get("source") for row in rows}
+        missing = [s for s in sources if s not in known]
+        if missing:
+            raise ValueError(f"no prompt has source {', '.join(map(repr, missing))} (sources present: "
+                             f"{', '.join(sorted(str(k) for k in known))}): fix --sources")
+        rows = [row for row in rows if row.get("source") in sources]
+    if samples == 1:
+        return rows
+    return [{**row, "id": f"{row['id']}~{k}"} for row in rows for k in range(samples)]
+
+
 def _read_jsonl(path: Path, *, max_prompts: int | None) -> list[dict]:
     rows = []
     with path.open(encoding="utf-8") as f:
@@ -349,20 +369,62 @@ def _answer_batch(model, batch: list[tuple[str, list[int]]], *, pad_id: int, eos
 # ---------------------------------------------------------------------------------------------- storage
 
 
-def load_distillation_data(out_dir) -> datasets.Dataset:
-    """All rows of every finished shard in ``out_dir`` (shard order); empty with the right columns if none."""
-    out_dir = Path(out_dir)
-    if not (out_dir / META_FILE).is_file():
-        raise ValueError(f"{out_dir} has no {META_FILE}: it is not distillation data; make it with `python -m selfspec.training.data`")
-    shards = _finished_shards(out_dir)
-    if not shards:
-        return datasets.Dataset.from_dict({name: [] for name in _features()}, features=_features())
-    return datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards])
+def data_dirs(spec) -> list[Path]:
+    """The directories in ``spec``: one path, a comma-separated list ("a,b") or a list of paths."""
+    parts = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    dirs = [Path(str(p).strip()).expanduser() for p in parts if str(p).strip()]
+    if not dirs:
+        raise ValueError("no data directory given: pass one, or several separated by commas")
+    return dirs
 
 
-def read_meta(out_dir) -> dict:
-    """The settings ``out_dir`` was made with (its ``meta.json``)."""
-    return json.loads((Path(out_dir) / META_FILE).read_text())
+def load_distillation_data(spec, *, rows: list[int] | None = None) -> datasets.Dataset:
+    """All rows of every finished shard of each directory in ``spec`` (directory, then shard order).
+
+    ``rows[i]`` keeps only the first that many rows of directory i: data directories only grow by
+    appended shards, so this reproduces exactly what a run saw (ValueError if a directory now holds
+    fewer). Several directories must come from the same model and prompt format (see :func:`read_meta`).
+    """
+    dirs = data_dirs(spec)
+    if rows is not None and len(rows) != len(dirs):
+        raise ValueError(f"the run read {len(rows)} data directories but {len(dirs)} were given: pass the ones it used "
+                         "(comma-separated, in the same order)")
+    read_meta(dirs)  # checks that every directory is distillation data, and that they agree
+    parts = []
+    for i, out_dir in enumerate(dirs):
+        shards = _finished_shards(out_dir)
+        ds = (datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards]) if shards
+              else datasets.Dataset.from_dict({name: [] for name in _features()}, features=_features()))
+        if rows is not None:
+            if rows[i] > len(ds):
+                raise ValueError(f"{out_dir} holds {len(ds)} rows but the run used {rows[i]}: pass the data it was trained on")
+            ds = ds.select(range(rows[i]))
+        parts.append(ds)
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def row_counts(spec) -> list[int]:
+    """Rows stored now in each directory of ``spec`` (pin them with ``load_distillation_data(rows=...)``)."""
+    return [sum(len(datasets.load_from_disk(str(p))) for p in _finished_shards(d)) for d in data_dirs(spec)]
+
+
+# Settings that must agree between data directories trained on together (temperature and length may differ).
+SHARED_SETTINGS = ("format", "model", "prompt_format", "eos_token_ids")
+
+
+def read_meta(spec) -> dict:
+    """The settings a data directory was made with (its ``meta.json``); for several, the first's, once they agree."""
+    metas = []
+    for out_dir in data_dirs(spec):
+        if not (out_dir / META_FILE).is_file():
+            raise ValueError(f"{out_dir} has no {META_FILE}: it is not distillation data; make it with `selfspec gen-data`")
+        metas.append(json.loads((out_dir / META_FILE).read_text()))
+    for out_dir, meta in zip(data_dirs(spec)[1:], metas[1:]):
+        diffs = [k for k in SHARED_SETTINGS if meta.get(k) != metas[0].get(k)]
+        if diffs:
+            raise ValueError(f"{out_dir} differs from {data_dirs(spec)[0]} in {', '.join(diffs)}: "
+                             "only data made by the same model with the same prompt format can be combined")
+    return metas[0]
 
 
 def _finished_shards(out_dir: Path) -> list[Path]:
@@ -390,7 +452,7 @@ def _write_shard(out_dir: Path, *, index: int, rows: list[dict]) -> None:
 def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
     path = out_dir / META_FILE
     if path.is_file():
-        stored = read_meta(out_dir)
+        stored = json.loads(path.read_text())
         diffs = [k for k in COMPARED_SETTINGS if stored.get(k) != meta[k]]
         if diffs:
             was = ", ".join(f"{k}={stored.get(k)!r}" for k in diffs)
@@ -456,6 +518,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longer prompts keep their last N tokens")
     parser.add_argument("--shard-size", type=int, default=d.shard_size, help="batches per shard (the most a killed run loses)")
     parser.add_argument("--split", default="train", help="split to read when --prompts is a dataset")
+    parser.add_argument("--sources", default=None,
+                        help="comma-separated values of the prompts' \"source\" field to keep (default: all)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="answers per prompt (ids <id>~<k>); more than 1 needs --temperature > 0")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -469,7 +535,12 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.samples > 1 and args.temperature == 0:
+        raise ValueError(f"--samples {args.samples} with greedy decoding would store {args.samples} identical answers: "
+                         "set --temperature > 0 (e.g. 0.7)")
     prompts = load_prompts(args.prompts, max_prompts=args.max_prompts, split=args.split)
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else None
+    prompts = select_prompts(prompts, sources=sources, samples=args.samples)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     out_dir = Path(args.out)
     before = _stored_ids(_finished_shards(out_dir)) if out_dir.is_dir() else set()

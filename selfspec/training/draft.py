@@ -303,6 +303,7 @@ def train_draft(
     tokenizer=None,
     eos_token_ids=(),
     data_dir: str | None = None,
+    data_rows: list[int] | None = None,
     resume: bool = False,
     progress: bool = True,
     callback: Callable[[int], None] | None = None,
@@ -381,7 +382,7 @@ def train_draft(
                               autocast=accelerator.autocast, features=features, feature_ids=eval_idx)
 
     def save(state: RunState, wall: float) -> None:
-        extra = {"data": data_dir, "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
+        extra = {"data": data_dir, "rows": data_rows, "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
                  "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config)}
         sd = raw.state_dict()
         saved_state = {
@@ -425,7 +426,7 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--model", required=True, help="alias, model directory, .gguf file or hub id (e.g. smollm2-135m)")
     parser.add_argument("--layers", type=int, required=True, help="draft depth L: the target's first L decoder layers")
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`)")
+    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated")
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     helps = {"draft_vocab_size": "vocabulary the loss is computed on; 0 = full", "save_dtype": "float16 | bfloat16"}
     for f in dataclasses.fields(DraftConfig):
@@ -461,10 +462,11 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
             max_new_tokens=args.max_new_tokens or d.max_new_tokens, batch_size=args.gen_batch_size or d.batch_size,
             model_name=loaded.name, progress=not args.no_progress,
         )
-    dataset = gen.load_distillation_data(data_dir)
+    rows = gen.row_counts(data_dir)  # pinned: gen-data may still be appending shards
+    dataset = gen.load_distillation_data(data_dir, rows=rows)
     eos = gen.read_meta(data_dir).get("eos_token_ids", [])
     result = train_draft(loaded.model, dataset, layers=args.layers, config=config, name=loaded.name,
-                         eos_token_ids=eos, data_dir=str(data_dir), resume=args.resume,
+                         eos_token_ids=eos, data_dir=str(data_dir), data_rows=rows, resume=args.resume,
                          progress=not args.no_progress)
     print(result.summary(f"train-draft L={args.layers}"), flush=True)
     return result

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from ..backbone import Backbone, config_fingerprint
 from ..heads import ExitLayerHead, load_heads
+from .data import data_dirs
 from .train import Sequence, to_sequences
 from .tune import heldout_sequences, medusa_rank_accuracy, rank_of
 
@@ -134,7 +135,8 @@ def run_eval_heads(args: argparse.Namespace) -> int:
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
                        device=w.device, dtype=w.dtype, model=loaded.model)
     data = args.data or (heads.config.extra or {}).get("data")
-    held = heldout_sequences(data, heads) if data and data != "none" and Path(data).is_dir() else None
+    held = (heldout_sequences(data, heads) if data and data != "none" and all(d.is_dir() for d in data_dirs(data))
+            else None)
     r = eval_heads(loaded.model, loaded.tokenizer, heads, prompts, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, held_out=held, progress=not args.no_progress)
     r.update(heads=str(args.heads), prompts_file=str(args.prompts), limit=args.limit, sample=args.sample,

@@ -535,13 +535,16 @@ def train_heads(
     name: str,
     eos_token_ids=(),
     data_dir: str | None = None,
+    data_rows: list[int] | None = None,
     resume: bool = False,
     progress: bool = True,
     callback: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train heads for ``model`` on ``dataset`` (rows: input_ids, response_start) into ``config.out``.
 
-    ``name`` is the base model name recorded in the heads' config. ``callback(step)`` runs after
+    ``name`` is the base model name recorded in the heads' config; ``data_dir`` (one directory or
+    several, comma-separated) and ``data_rows`` (rows used from each) are recorded so that tune-tree
+    and eval-heads can rebuild the exact held-out split later. ``callback(step)`` runs after
     every optimizer step (tests use it to interrupt). Returns a summary; on KeyboardInterrupt the
     last checkpoint stays intact and ``interrupted`` is True.
     """
@@ -641,7 +644,7 @@ def train_heads(
 
     def save(state: RunState, wall: float) -> None:
         heads.config.extra = {
-            "data": data_dir, "sequences": len(seqs), "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
+            "data": data_dir, "rows": data_rows, "sequences": len(seqs), "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
             "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config),
         }
         saved_state = {
@@ -740,7 +743,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     d = TrainConfig()
     parser.add_argument("--model", default=None, help="alias, model directory, .gguf file or hub id (e.g. smollm2-135m)")
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`)")
+    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated")
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
@@ -808,10 +811,11 @@ def run_train_heads(args: argparse.Namespace) -> TrainResult:
             max_new_tokens=extra["max_new_tokens"] or d.max_new_tokens, batch_size=extra["gen_batch_size"] or d.batch_size,
             model_name=loaded.name, progress=not args.no_progress,
         )
-    dataset = gen.load_distillation_data(data_dir)
+    rows = gen.row_counts(data_dir)  # pinned: gen-data may still be appending shards
+    dataset = gen.load_distillation_data(data_dir, rows=rows)
     eos = gen.read_meta(data_dir).get("eos_token_ids", [])
     result = train_heads(loaded.model, dataset, config=config, name=loaded.name, eos_token_ids=eos, data_dir=str(data_dir),
-                         resume=args.resume, progress=not args.no_progress)
+                         data_rows=rows, resume=args.resume, progress=not args.no_progress)
     print(result.summary(f"train-heads {config.kind}"), flush=True)
     return result
 

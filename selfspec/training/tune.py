@@ -43,20 +43,25 @@ class Candidate:
 
 
 def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
-    """The eval split of the heads' training run (recorded seed / fraction / max_len / sequence count).
+    """The eval split of the heads' training run (recorded seed / fraction / max_len / rows used).
 
-    Data directories only grow by appended shards, so a run's sequences are the first ``sequences``
-    of the directory now; the split is recomputed over exactly those, never over rows added later
-    (which would move training sequences into the "held-out" set).
+    Data directories only grow by appended shards, so a run's rows are the first ``rows[i]`` of each
+    directory now; the split is recomputed over exactly those, never over rows added later (which
+    would move training sequences into the "held-out" set). Heads saved before per-directory row
+    counts were recorded carry only a sequence count, which pins a single directory the same way.
     """
     extra = heads.config.extra or {}
     tc = extra.get("train_config") or {}
-    seqs = to_sequences(load_distillation_data(data_dir), max_len=tc.get("max_len", 1024))
-    n = extra.get("sequences", len(seqs))
-    if n > len(seqs):
-        raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
-                         "pass the data directory they were trained on")
-    seqs = seqs[:n]
+    rows = extra.get("rows")
+    if rows is not None:
+        seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
+    else:
+        seqs = to_sequences(load_distillation_data(data_dir), max_len=tc.get("max_len", 1024))
+        n = extra.get("sequences", len(seqs))
+        if n > len(seqs):
+            raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
+                             "pass the data directory they were trained on")
+        seqs = seqs[:n]
     _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
     if not held:
         raise ValueError("the heads' training run held nothing out (eval_fraction 0): cannot tune without leakage")
@@ -144,7 +149,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--heads", required=True, help="heads directory to tune (rewritten in place)")
-    p.add_argument("--data", required=True, help="the data directory the heads were trained on")
+    p.add_argument("--data", required=True, help="the data directory (or comma-separated directories) the heads were trained on")
     p.add_argument("--prompts-n", type=int, default=8, help="held-out prompts to time on")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
