@@ -58,6 +58,31 @@ def _eval_section(ev: dict) -> list[str]:
     return lines + [""]
 
 
+# What each shipped data directory holds (scripts/gen_distill_data.sh makes all three).
+DATA_NOTES = {
+    "smollm2-135m-greedy": "greedy answers to prompts of `../shared/data/prompts/train.jsonl`",
+    "smollm2-135m-t0.7": "16 answers sampled at temperature 0.7 per Self-Instruct seed prompt of train.jsonl",
+    "smollm2-135m-self-instruct": "greedy answers to 1,500 prompts the target wrote itself in the style of those "
+                                  "seeds (`selfspec synth-prompts`, training/prompts/smollm2-135m-self-instruct.jsonl)",
+}
+
+
+def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
+    """One line per data directory: what it holds, rows and response tokens the run used."""
+    from selfspec.training.data import data_dirs, load_distillation_data
+
+    if not data:
+        return ["- data: unknown"]
+    dirs = data_dirs(data)
+    lines = ["- data (self-distillation: the target's own answers; dev prompts never used):"]
+    for i, d in enumerate(dirs):
+        used = rows[i] if rows else None
+        ds = load_distillation_data(d, rows=[used] if used is not None else None)
+        lines.append(f"  - `{d}`: {len(ds)} sequences, {sum(ds['n_response'])} response tokens; "
+                     f"{DATA_NOTES.get(d.name, 'self-distillation data')}")
+    return lines
+
+
 def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
     meta = json.loads((ckpt / "selfspec_draft.json").read_text())
     t = meta.get("training") or {}
@@ -71,8 +96,7 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
              f"--draft-model`) re-attaches the shared ones from the base model and writes an ordinary "
              f"transformers model directory, usable as `generate(assistant_model=...)`.", "",
              "## Training", "",
-             f"- data: `{t.get('data')}` (the target's own greedy answers to prompts of "
-             f"`../shared/data/prompts/train.jsonl`; dev prompts never used)",
+             *_data_lines(t.get("data"), t.get("rows")),
              f"- steps: {t.get('steps')} (batch {tc.get('batch_size')} x accumulation {tc.get('grad_accum')}), "
              f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine, loss on the "
              f"{tc.get('draft_vocab_size')} most frequent response tokens",
@@ -110,8 +134,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
     else:
         lines.append("The backbone is untouched: greedy output is token-identical to the original model.")
     lines += ["", "## Training", "",
-              f"- data: `{extra.get('data')}` (self-distillation: the target's own greedy answers to prompts of "
-              f"`../shared/data/prompts/train.jsonl`; dev prompts never used)",
+              *_data_lines(extra.get("data"), extra.get("rows") or ([extra["sequences"]] if "sequences" in extra else None)),
               f"- steps: {extra.get('steps')} (batch {tc.get('batch_size')} x accumulation {tc.get('grad_accum')}), "
               f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine",
               f"- response tokens seen: {extra.get('tokens_seen')}",

@@ -4,7 +4,7 @@
 # draft; then tune each drafter's tree by measured decoding speed. The backbone feature pass runs
 # once (in the first command) and is shared by all through the on-disk cache.
 #   scripts/train_demo_checkpoints.sh          (2-core CPU, one run after another: about 1.5 h)
-# Env: THREADS (2), DATA (training/data/smollm2-135m-greedy).
+# Env: THREADS (2), DATA (the three directories of gen_distill_data.sh, comma-separated).
 # The MLP adapter ships as early-exit/ because its best tree decoded faster than the layer
 # adapter's (compare the two tune-tree tables); swap the recipes' `out:` if that ever reverses.
 set -euo pipefail
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 THREADS=${THREADS:-2}
-DATA=${DATA:-training/data/smollm2-135m-greedy}
+DATA=${DATA:-training/data/smollm2-135m-greedy@6656,training/data/smollm2-135m-self-instruct,training/data/smollm2-135m-t0.7}
 CK=checkpoints/smollm2-135m
 LAYER=.cache/heads/smollm2-135m-early-exit-layer
 for d in "$CK/medusa" "$CK/early-exit" "$LAYER" "$CK/draft-2l"; do

@@ -309,6 +309,12 @@ def test_several_directories_load_together_and_pin_their_rows(tmp_path):
         load_distillation_data(spec, rows=[6, 7])
     with pytest.raises(ValueError, match="read 1 data directories but 2 were given"):
         load_distillation_data(spec, rows=[6])
+    # "DIR@N" uses only the first N rows of DIR.
+    capped = f"{tmp_path / 'a'}@4,{tmp_path / 'b'}"
+    assert row_counts(capped) == [4, 6]
+    assert list(load_distillation_data(capped)["id"]) == list(a["id"])[:4] + list(b["id"])
+    with pytest.raises(ValueError, match="asks for 10 rows but .* holds 9"):
+        row_counts(f"{tmp_path / 'a'}@10")
     # Data from another model (other EOS ids) cannot be mixed in.
     other = tmp_path / "other"
     generate_distillation_data(model, tok, prompts(2), other, max_new_tokens=4, batch_size=2, progress=False)

@@ -369,23 +369,38 @@ def _answer_batch(model, batch: list[tuple[str, list[int]]], *, pad_id: int, eos
 # ---------------------------------------------------------------------------------------------- storage
 
 
-def data_dirs(spec) -> list[Path]:
-    """The directories in ``spec``: one path, a comma-separated list ("a,b") or a list of paths."""
+def data_sources(spec) -> list[tuple[Path, int | None]]:
+    """(directory, row cap) for each entry of ``spec``: "DIR", "DIR@N" (its first N rows only), comma-separated."""
     parts = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
-    dirs = [Path(str(p).strip()).expanduser() for p in parts if str(p).strip()]
-    if not dirs:
+    out = []
+    for part in (str(p).strip() for p in parts):
+        if not part:
+            continue
+        path, cap = part, None
+        head, sep, tail = part.rpartition("@")
+        if sep and tail.isdigit():
+            path, cap = head, int(tail)
+        out.append((Path(path).expanduser(), cap))
+    if not out:
         raise ValueError("no data directory given: pass one, or several separated by commas")
-    return dirs
+    return out
+
+
+def data_dirs(spec) -> list[Path]:
+    """The directories in ``spec`` (see :func:`data_sources`)."""
+    return [path for path, _ in data_sources(spec)]
 
 
 def load_distillation_data(spec, *, rows: list[int] | None = None) -> datasets.Dataset:
     """All rows of every finished shard of each directory in ``spec`` (directory, then shard order).
 
-    ``rows[i]`` keeps only the first that many rows of directory i: data directories only grow by
+    A "DIR@N" entry keeps only the first N rows of DIR. ``rows[i]`` keeps only the first that many rows of directory i: data directories only grow by
     appended shards, so this reproduces exactly what a run saw (ValueError if a directory now holds
     fewer). Several directories must come from the same model and prompt format (see :func:`read_meta`).
     """
     dirs = data_dirs(spec)
+    if rows is None:
+        rows = row_counts(spec) if any(cap is not None for _, cap in data_sources(spec)) else None
     if rows is not None and len(rows) != len(dirs):
         raise ValueError(f"the run read {len(rows)} data directories but {len(dirs)} were given: pass the ones it used "
                          "(comma-separated, in the same order)")
@@ -404,8 +419,15 @@ def load_distillation_data(spec, *, rows: list[int] | None = None) -> datasets.D
 
 
 def row_counts(spec) -> list[int]:
-    """Rows stored now in each directory of ``spec`` (pin them with ``load_distillation_data(rows=...)``)."""
-    return [sum(len(datasets.load_from_disk(str(p))) for p in _finished_shards(d)) for d in data_dirs(spec)]
+    """Rows used now from each directory of ``spec``: all it stores, or N for "DIR@N" (pin them with
+    ``load_distillation_data(rows=...)``); ValueError if a capped directory holds fewer than N."""
+    counts = []
+    for d, cap in data_sources(spec):
+        stored = sum(len(datasets.load_from_disk(str(p))) for p in _finished_shards(d)) if d.is_dir() else 0
+        if cap is not None and cap > stored:
+            raise ValueError(f"{d}@{cap} asks for {cap} rows but {d} holds {stored}: lower the @ count or generate more")
+        counts.append(stored if cap is None else cap)
+    return counts
 
 
 # Settings that must agree between data directories trained on together (temperature and length may differ).

@@ -426,7 +426,7 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--model", required=True, help="alias, model directory, .gguf file or hub id (e.g. smollm2-135m)")
     parser.add_argument("--layers", type=int, required=True, help="draft depth L: the target's first L decoder layers")
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated")
+    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated; DIR@N: its first N rows")
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     helps = {"draft_vocab_size": "vocabulary the loss is computed on; 0 = full", "save_dtype": "float16 | bfloat16"}
     for f in dataclasses.fields(DraftConfig):

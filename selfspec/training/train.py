@@ -743,7 +743,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     d = TrainConfig()
     parser.add_argument("--model", default=None, help="alias, model directory, .gguf file or hub id (e.g. smollm2-135m)")
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated")
+    src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated; DIR@N: its first N rows")
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
