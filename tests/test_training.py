@@ -352,6 +352,22 @@ def test_token_input_heads_see_the_same_root_in_training_eval_and_tree_tuning(tm
         heads.module(torch.zeros(2, model.config.hidden_size))
 
 
+def test_rank_accuracy_skips_heads_a_short_response_cannot_reach():
+    """A response of one or two tokens gives deeper heads no target; it must count nothing for them, not fail."""
+    from selfspec.model import untrained_heads
+    from selfspec.training.train import Sequence
+    from selfspec.training.tune import medusa_rank_accuracy
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=4)
+    heads = untrained_heads("medusa", model, "tiny", num_heads=3, token_input=True)
+    ids = hf_greedy(model, torch.tensor([[3, 9, 11]]), 8)[0]
+    seqs = [Sequence(ids=ids[:4], response_start=3), Sequence(ids=ids[:5], response_start=3),
+            Sequence(ids=ids, response_start=3)]
+    acc = medusa_rank_accuracy(model, heads, seqs, max_rank=1)
+    assert [a[0] for a in acc] == pytest.approx(_brute_force_top1(model, heads, seqs), abs=1e-6)
+
+
 def _brute_force_top1(model, heads, seqs):
     """Per head: share of decode positions t whose drafted top-1 (one fresh forward of ids[:t + 1]) is right."""
     from selfspec.backbone import Backbone

@@ -93,9 +93,10 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
         L = ids.shape[1]
         for k in range(K):
             # Head k (0-based) at position t proposes the token at t + k + 2.
-            t = torch.arange(max(s.response_start - 1, 0), L - k - 2, device=w.device)
-            if len(t) == 0:
-                continue
+            lo, hi = max(s.response_start - 1, 0), L - k - 2
+            if hi <= lo:
+                continue  # the response is too short to reach this head's target
+            t = torch.arange(lo, hi, device=w.device)
             rank = rank_of(z[t, k], ids[0, t + k + 2], vocab, max_rank)           # scores (n, V_sub)
             for r in range(max_rank):
                 hits[k, r] += float((rank == r).sum())
