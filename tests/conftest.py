@@ -9,6 +9,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
+@pytest.fixture
+def one_thread():
+    """Run the test with one torch thread (tiny models gain nothing from more), then restore the count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 

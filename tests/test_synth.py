@@ -5,18 +5,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from selfspec.training.synth import clean_proposal, few_shot_request, synthesize_prompts
 from test_training_data import make_model, make_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_request_numbers_the_examples_and_leaves_the_next_task_open():

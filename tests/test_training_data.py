@@ -65,12 +65,7 @@ def write_jsonl(path, rows):
     return path
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------- prompts
@@ -274,6 +269,7 @@ def test_select_prompts_filters_sources_and_repeats_with_distinct_ids():
     rows = [{"id": "a", "prompt": "x", "source": "s1"}, {"id": "b", "prompt": "y", "source": "s2"}]
     assert select_prompts(rows) == rows
     assert [r["id"] for r in select_prompts(rows, sources=["s2"])] == ["b"]
+    assert select_prompts(rows, sources="s2, ") == select_prompts(rows, sources=["s2"])  # the CLI's comma list
     picked = select_prompts(rows, sources=["s1", "s2"], samples=3)
     assert [r["id"] for r in picked] == ["a~0", "a~1", "a~2", "b~0", "b~1", "b~2"]
     assert [r["prompt"] for r in picked] == ["x"] * 3 + ["y"] * 3
@@ -313,8 +309,9 @@ def test_several_directories_load_together_and_pin_their_rows(tmp_path):
     capped = f"{tmp_path / 'a'}@4,{tmp_path / 'b'}"
     assert row_counts(capped) == [4, 6]
     assert list(load_distillation_data(capped)["id"]) == list(a["id"])[:4] + list(b["id"])
-    with pytest.raises(ValueError, match="asks for 10 rows but .* holds 9"):
-        row_counts(f"{tmp_path / 'a'}@10")
+    for read in (row_counts, load_distillation_data):
+        with pytest.raises(ValueError, match="asks for 10 rows but .* holds 9"):
+            read(f"{tmp_path / 'a'}@10")
     # Data from another model (other EOS ids) cannot be mixed in.
     other = tmp_path / "other"
     generate_distillation_data(model, tok, prompts(2), other, max_new_tokens=4, batch_size=2, progress=False)

@@ -117,15 +117,17 @@ def load_prompts(source, *, max_prompts: int | None = None, split: str = "train"
     return rows
 
 
-def select_prompts(rows: list[dict], *, sources: list[str] | None = None, samples: int = 1) -> list[dict]:
-    """Keep the rows whose "source" is in ``sources`` (all when None), each repeated ``samples`` times.
+def select_prompts(rows: list[dict], *, sources: str | list[str] | None = None, samples: int = 1) -> list[dict]:
+    """Keep the rows whose "source" is in ``sources`` (a list or "a,b"; all when None/empty), each repeated ``samples`` times.
 
     Copy k of a prompt gets the id ``<id>~<k>``: ids stay unique, a resumed run skips the copies it
     already stored, and each copy's batch seeds its own sample (so ``samples > 1`` needs sampling).
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    if sources is not None:
+    if isinstance(sources, str):
+        sources = [s.strip() for s in sources.split(",") if s.strip()]
+    if sources:
         known = {row.get("source") for row in rows}
         missing = [s for s in sources if s not in known]
         if missing:
@@ -398,22 +400,23 @@ def load_distillation_data(spec, *, rows: list[int] | None = None) -> datasets.D
     appended shards, so this reproduces exactly what a run saw (ValueError if a directory now holds
     fewer). Several directories must come from the same model and prompt format (see :func:`read_meta`).
     """
-    dirs = data_dirs(spec)
-    if rows is None:
-        rows = row_counts(spec) if any(cap is not None for _, cap in data_sources(spec)) else None
-    if rows is not None and len(rows) != len(dirs):
-        raise ValueError(f"the run read {len(rows)} data directories but {len(dirs)} were given: pass the ones it used "
+    sources = data_sources(spec)
+    if rows is not None and len(rows) != len(sources):
+        raise ValueError(f"the run read {len(rows)} data directories but {len(sources)} were given: pass the ones it used "
                          "(comma-separated, in the same order)")
-    read_meta(dirs)  # checks that every directory is distillation data, and that they agree
+    read_meta(spec)  # checks that every directory is distillation data, and that they agree
     parts = []
-    for i, out_dir in enumerate(dirs):
+    for i, (out_dir, cap) in enumerate(sources):
         shards = _finished_shards(out_dir)
         ds = (datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards]) if shards
               else datasets.Dataset.from_dict({name: [] for name in _features()}, features=_features()))
-        if rows is not None:
-            if rows[i] > len(ds):
-                raise ValueError(f"{out_dir} holds {len(ds)} rows but the run used {rows[i]}: pass the data it was trained on")
-            ds = ds.select(range(rows[i]))
+        keep = rows[i] if rows is not None else cap
+        if keep is not None and keep > len(ds):
+            raise ValueError(f"{out_dir} holds {len(ds)} rows but the run used {keep}: pass the data it was trained on"
+                             if rows is not None else
+                             f"{out_dir}@{cap} asks for {cap} rows but {out_dir} holds {len(ds)}: lower the @ count or generate more")
+        if keep is not None:
+            ds = ds.select(range(keep))
         parts.append(ds)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
@@ -436,15 +439,15 @@ SHARED_SETTINGS = ("format", "model", "prompt_format", "eos_token_ids")
 
 def read_meta(spec) -> dict:
     """The settings a data directory was made with (its ``meta.json``); for several, the first's, once they agree."""
-    metas = []
-    for out_dir in data_dirs(spec):
+    dirs, metas = data_dirs(spec), []
+    for out_dir in dirs:
         if not (out_dir / META_FILE).is_file():
             raise ValueError(f"{out_dir} has no {META_FILE}: it is not distillation data; make it with `selfspec gen-data`")
         metas.append(json.loads((out_dir / META_FILE).read_text()))
-    for out_dir, meta in zip(data_dirs(spec)[1:], metas[1:]):
+    for out_dir, meta in zip(dirs[1:], metas[1:]):
         diffs = [k for k in SHARED_SETTINGS if meta.get(k) != metas[0].get(k)]
         if diffs:
-            raise ValueError(f"{out_dir} differs from {data_dirs(spec)[0]} in {', '.join(diffs)}: "
+            raise ValueError(f"{out_dir} differs from {dirs[0]} in {', '.join(diffs)}: "
                              "only data made by the same model with the same prompt format can be combined")
     return metas[0]
 
@@ -561,8 +564,7 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
         raise ValueError(f"--samples {args.samples} with greedy decoding would store {args.samples} identical answers: "
                          "set --temperature > 0 (e.g. 0.7)")
     prompts = load_prompts(args.prompts, max_prompts=args.max_prompts, split=args.split)
-    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else None
-    prompts = select_prompts(prompts, sources=sources, samples=args.samples)
+    prompts = select_prompts(prompts, sources=args.sources, samples=args.samples)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     out_dir = Path(args.out)
     before = _stored_ids(_finished_shards(out_dir)) if out_dir.is_dir() else set()

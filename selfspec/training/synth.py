@@ -150,8 +150,7 @@ def run_synth(args: argparse.Namespace) -> int:
     if out.suffix != ".jsonl":
         raise ValueError(f"--out {out} must end in .jsonl (it is a prompt file for gen-data)")
     seeds = load_prompts(args.seeds)
-    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else None
-    seeds = [r["prompt"] for r in select_prompts(seeds, sources=sources)]
+    seeds = [r["prompt"] for r in select_prompts(seeds, sources=args.sources)]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)

@@ -53,10 +53,8 @@ def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
     extra = heads.config.extra or {}
     tc = extra.get("train_config") or {}
     rows = extra.get("rows")
-    if rows is not None:
-        seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
-    else:
-        seqs = to_sequences(load_distillation_data(data_dir), max_len=tc.get("max_len", 1024))
+    seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
+    if rows is None:
         n = extra.get("sequences", len(seqs))
         if n > len(seqs):
             raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
