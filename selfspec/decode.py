@@ -25,6 +25,7 @@ class DecodeStats:
     new_tokens: int = 0
     target_forwards: int = 0     # prefill + one per verification step
     steps: int = 0               # verification steps
+    drafted: int = 0             # draft nodes verified (tree nodes bar the root), summed over steps
     accepted_hist: list[int] = field(default_factory=list)   # [a] = steps that accepted a drafts
     drafted_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
@@ -47,8 +48,9 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def record(self, depth: int, num_accepted: int) -> None:
+    def record(self, depth: int, num_accepted: int, nodes: int = 0) -> None:
         self.steps += 1
+        self.drafted += nodes
         self.target_forwards += 1
         for lst, n in ((self.accepted_hist, num_accepted + 1), (self.drafted_by_depth, depth),
                        (self.accepted_by_depth, depth)):
@@ -177,7 +179,7 @@ def decode(
         _sync(dev)
         stats.draft_s += t2 - t1
         stats.verify_s += time.perf_counter() - t2
-        stats.record(draft.tree.depth, accepted.num_accepted)
+        stats.record(draft.tree.depth, accepted.num_accepted, draft.tree.size - 1)
         emitted = _take(committed, max_new_tokens - len(new), eos_token_ids)
         new.extend(emitted)
         if on_tokens:

@@ -71,7 +71,7 @@ def chain_with_siblings(k: int, width: int) -> tuple[Path, ...]:
     return spine + leaves
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
     """Pure builder, cached on the (hashable) shape and device."""
     paths = tuple(tuple(int(r) for r in p) for p in paths)
@@ -112,6 +112,29 @@ def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
         children=children,
         node_paths=tuple(node_paths),
     )
+
+
+def prune(tree: Tree, conf: torch.Tensor, threshold: float) -> tuple[Path, ...]:
+    """The paths of ``tree`` a draft is confident enough to propose: a pure function.
+
+    conf: (n,) the draft's probability for each node given its parent (root ignored). A node is
+    kept when the product of conf along its path is >= ``threshold`` and its parent is kept, so
+    the result is prefix-closed, in the tree's own node order. threshold 0 keeps every node.
+
+    On a CPU every verified node costs a few percent of a decode step, and a chain node of the
+    early-exit drafter half a step: a candidate the draft itself gives little chance is cheaper
+    not proposed. Pruning never changes which tokens are committed (acceptance still decides).
+    """
+    if threshold <= 0:
+        return tree.paths
+    path_conf = conf.double().clone()
+    path_conf[0] = 1.0
+    keep = [True] + [False] * (tree.size - 1)
+    for i in range(1, tree.size):  # parents come before children
+        parent = int(tree.parents[i])
+        path_conf[i] = path_conf[parent] * path_conf[i]
+        keep[i] = keep[parent] and float(path_conf[i]) >= threshold
+    return tuple(p for i, p in enumerate(tree.paths, start=1) if keep[i])
 
 
 # Medusa-style sparse tree for 4 heads: wide near the root where heads are accurate, thin deeper.

@@ -145,6 +145,35 @@ def test_early_exit_kv_reuse_under_high_acceptance(scale, tree):
     assert stats.steps < N_NEW
 
 
+@pytest.mark.parametrize("threshold", [0.005, 0.05])
+@pytest.mark.parametrize("tree", [chain(4), chain_with_siblings(3, 3)])
+def test_confidence_pruned_early_exit_is_exact(tree, threshold):
+    """Chains that stop early (and cut siblings) at varying depths: the cache written while drafting
+    must still line up with the verified tree, and the output must still be plain greedy's."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    _identity_upper_layers(model, 3, 0.3)
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=3)
+    ref = hf_greedy(model, ids, N_NEW)
+    drafter = EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=3), build_tree(tree),
+                               threshold=threshold)
+    out, stats = _run(model, drafter, ids)
+    assert torch.equal(out, ref)
+    assert 0 < stats.drafted < stats.steps * len(tree)   # some steps pruned, some proposed
+
+
+@pytest.mark.parametrize("threshold", [0.01, 0.05])
+def test_confidence_pruned_medusa_is_exact(threshold):
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=3)
+    ref = hf_greedy(model, ids, N_NEW)
+    heads = _noisy(untrained_heads("medusa", model, "t", token_input=True))
+    out, stats = _run(model, MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=threshold), ids)
+    assert torch.equal(out, ref)
+    assert 0 < stats.drafted < stats.steps * len(MEDUSA_DEFAULT)
+
+
 def test_draft_model_identical_to_target_accepts_everything():
     model = tiny_model("qwen2")
     bb = Backbone(model)
@@ -181,9 +210,10 @@ def _layer_adapter_heads(model, exit_layer: int, noise: float):
     return heads
 
 
-@pytest.mark.parametrize("tree", [chain(3), chain_with_siblings(3, 2)])
+@pytest.mark.parametrize("tree,threshold", [(chain(3), 0.0), (chain_with_siblings(3, 2), 0.0),
+                                            (chain_with_siblings(3, 2), 0.004)])
 @pytest.mark.parametrize("scale", [0.0, 1.0])
-def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, scale):
+def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, threshold, scale):
     """The layer adapter's own KV cache must equal a from-scratch pass over the committed tokens,
     whatever was accepted (full chains, partial chains, sibling leaves)."""
     model = tiny_model("llama", num_hidden_layers=6)
@@ -191,11 +221,13 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, scale)
     bb = Backbone(model)
     ids = _prompt(model.config.vocab_size, seed=5)
     ref = hf_greedy(model, ids, N_NEW)
-    drafter = EarlyExitDrafter(bb, _layer_adapter_heads(model, 3, 0.05), build_tree(tree))
+    drafter = EarlyExitDrafter(bb, _layer_adapter_heads(model, 3, 0.05), build_tree(tree), threshold=threshold)
     out, stats = _run(model, drafter, ids)
     assert torch.equal(out, ref)
-    if scale == 0.0:
+    if scale == 0.0 and threshold == 0.0:
         assert stats.tau > 2.0  # deep acceptance: the commit path that fills in unseen nodes is exercised
+    if threshold > 0:
+        assert 0 < stats.drafted < stats.steps * len(tree)   # chains cut at varying depths
     seq = out[:, : drafter.adapter_cache.layers[0].keys.shape[2]]
     with torch.no_grad():
         h_e = model(seq, output_hidden_states=True).hidden_states[3]

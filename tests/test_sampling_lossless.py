@@ -15,7 +15,7 @@ import torch
 
 from conftest import chi2_check
 from selfspec.sampling import SamplingParams, probs_from_logits
-from selfspec.tree import build_tree, chain
+from selfspec.tree import build_tree, chain, prune
 from selfspec.verify import rejection_accept_chain, rejection_accept_tree
 
 V, L, N = 5, 3, 12000
@@ -101,15 +101,24 @@ def test_statistical_check_catches_a_planted_bug():
 TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
 
 
-def _tree_sequences(P, Q, root, gen):
-    """Each node's children are drawn without replacement from Q[node token], in rank order."""
-    tree = build_tree(TREE)
+def _row_conf(q_row: torch.Tensor, token: int) -> float:
+    """What the drafters prune on when sampling: the row's largest probability, whatever was drawn."""
+    return float(q_row.max())
+
+
+def _tree_sequences(P, Q, root, gen, *, threshold: float = 0.0, conf=_row_conf):
+    """Each node's children are drawn without replacement from Q[node token], in rank order.
+
+    threshold > 0: then the tree is cut with ``tree.prune`` on conf(parent's q row, node token),
+    as the drafters do each step, and only the kept nodes are verified."""
+    full = build_tree(TREE)
     counts = {}
     for _ in range(N):
         seq, prev = [], root
         while len(seq) < L:
             tokens = [prev]
             draws = {}
+            tree = full
             for i in range(1, tree.size):
                 parent = int(tree.parents[i])
                 if parent not in draws:
@@ -118,6 +127,12 @@ def _tree_sequences(P, Q, root, gen):
                         if int((Q[tokens[parent]] > 0).sum()) >= width else None
                 cand = draws[parent]
                 tokens.append(cand[int(tree.ranks[i])] if cand else tokens[parent])
+            if threshold > 0:
+                node_conf = torch.tensor([1.0] + [conf(Q[tokens[int(full.parents[i])]], tokens[i])
+                                                  for i in range(1, full.size)])
+                kept = prune(full, node_conf, threshold)
+                tree = build_tree(kept)
+                tokens = [tokens[0]] + [tokens[full.paths.index(p) + 1] for p in kept]
             tok = torch.tensor(tokens)
             p, q = P[tok], Q[tok]
             acc = rejection_accept_tree(tree, tok, p, q, torch.arange(tree.size), generator=gen)
@@ -133,6 +148,25 @@ def test_tree_rejection_sampling_is_lossless(params):
     P, Q = _toy(2, params)
     gen = torch.Generator().manual_seed(3)
     _assert_matches(_tree_sequences(P, Q, 1, gen), _exact(P, 1), N)
+
+
+@pytest.mark.parametrize("params", PARAMS[:2], ids=["t1", "t0.6"])
+def test_confidence_pruned_tree_sampling_is_lossless(params):
+    """Cutting the tree where the draft rows are unsure keeps sampling exact, provided the cut reads q
+    only (the row's maximum), never which token was drawn."""
+    P, Q = _toy(2, params)
+    gen = torch.Generator().manual_seed(5)
+    _assert_matches(_tree_sequences(P, Q, 1, gen, threshold=0.3), _exact(P, 1), N)
+
+
+def test_pruning_on_the_drawn_tokens_probability_is_caught():
+    """Planted bug: cut each node on q(its own token). Proposals are then no longer plain draws
+    from q, the acceptance rule's assumption, and the output distribution shifts."""
+    P, Q = _toy(2, PARAMS[0])
+    gen = torch.Generator().manual_seed(5)
+    counts = _tree_sequences(P, Q, 1, gen, threshold=0.3, conf=lambda q_row, token: float(q_row[token]))
+    stat, threshold = chi2_check(counts, _exact(P, 1), N)
+    assert stat > threshold
 
 
 def test_tree_with_single_children_equals_chain_rule():

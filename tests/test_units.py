@@ -141,3 +141,31 @@ def test_tree_from_rank_accuracy_is_best_first_and_prefix_closed():
     build_tree(paths)  # parents come first
     big = tree_from_rank_accuracy(acc, 100)
     assert len(big) == 3 + 3 * 2 + 3 * 2 * 1   # every path the accuracies allow
+
+
+def test_prune_keeps_confident_prefix_closed_paths():
+    from selfspec.tree import prune
+
+    tree = build_tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    # node:            root (0,)  (1,)  (0,0) (0,1) (1,0) (0,0,0)
+    conf = torch.tensor([0.0, 0.8, 0.15, 0.5, 0.3, 0.9, 0.9])
+    # Path probabilities: (0,) .8, (1,) .15, (0,0) .4, (0,1) .24, (1,0) .135, (0,0,0) .36.
+    assert prune(tree, conf, 0.0) == tree.paths
+    assert prune(tree, conf, 0.2) == ((0,), (0, 0), (0, 1), (0, 0, 0))
+    assert prune(tree, conf, 0.38) == ((0,), (0, 0))
+    assert prune(tree, conf, 0.9) == ()
+    # A confident child of a pruned parent goes with it (prefix-closed).
+    conf2 = torch.tensor([0.0, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0])
+    assert prune(tree, conf2, 0.2) == ()
+    sub = build_tree(prune(tree, conf, 0.2))   # a valid tree in the original node order
+    assert sub.size == 5 and sub.depth == 3
+
+
+def test_pruned_draft_confidences_follow_the_tree_layout():
+    from selfspec.drafters.base import pruned
+
+    tree = build_tree(((0,), (1,), (0, 0)))
+    conf = torch.tensor([[0.7, 0.2], [0.5, 0.1]])   # row d: candidates at depth d + 1, rank order
+    assert pruned(tree, conf, 0.0) is tree
+    assert pruned(tree, conf, 0.3).paths == ((0,), (0, 0))   # (1,) .2 < .3; (0,0) .35
+    assert pruned(tree, conf, 0.4).paths == ((0,),)

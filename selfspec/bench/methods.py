@@ -37,6 +37,8 @@ def build_methods(
     medusa_tree="auto",
     exit_tree="auto",
     draft_tree="auto",
+    medusa_threshold="auto",
+    exit_threshold="auto",
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft each method used."""
     sampling = temperature > 0
@@ -94,10 +96,15 @@ def build_methods(
             fn = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
         elif name == "selfspec-ar":
             fn = ours(spec("none", heads=None, tree="auto"))
-        elif name == "selfspec-medusa":
-            fn = ours(spec("medusa", heads=heads_for("medusa", medusa_heads), tree=medusa_tree))
-        elif name == "selfspec-early-exit":
-            fn = ours(spec("early-exit", heads=heads_for("early-exit", exit_heads), tree=exit_tree))
+        elif name in ("selfspec-medusa", "selfspec-early-exit"):
+            kind = name.removeprefix("selfspec-")
+            medusa = kind == "medusa"
+            sm = spec(kind, heads=heads_for(kind, medusa_heads if medusa else exit_heads),
+                      tree=medusa_tree if medusa else exit_tree,
+                      threshold=medusa_threshold if medusa else exit_threshold)
+            notes[f"{kind}_tree"] = [list(p) for p in sm.drafter.tree.paths]
+            notes[f"{kind}_threshold"] = sm.drafter.threshold
+            fn = ours(sm)
         else:
             fn = ours(spec("draft-model", heads=None, tree=draft_tree, draft_model=draft_model))
         methods.append(Method(name=name, fn=fn))

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from ..backbone import Backbone
 from ..projection import Projection
 from ..sampling import SamplingParams, pick_candidates, probs_from_logits
-from ..tree import Tree
+from ..tree import Tree, build_tree, prune
 from ..verify import Accepted
 
 
@@ -74,21 +74,31 @@ class Drafter:
 class Candidates:
     tokens: torch.Tensor          # (R, width) token ids in rank order, one row per depth
     q: torch.Tensor | None        # (R, V) full-vocabulary draft probs (sampling), None when greedy
+    conf: torch.Tensor            # (R, width) the draft's confidence in each candidate (see below)
 
 
 def row_candidates(
     logits: torch.Tensor, width: int, *, vocab: torch.Tensor | None, vocab_size: int, state: DecodeState
 ) -> Candidates:
     """(R, V_draft) draft logits -> the top ``width`` (greedy) or ``width`` draws without
-    replacement (sampling) per row, mapped from the draft vocabulary back to token ids."""
+    replacement (sampling) per row, mapped from the draft vocabulary back to token ids.
+
+    conf, which ``tree.prune`` uses to drop unlikely candidates: greedy, each candidate's draft
+    probability; sampling, the row's largest probability for every candidate of the row. When
+    sampling, whether a row is proposed at all must not depend on which tokens were drawn from
+    it (the acceptance rule assumes the candidates are plain draws from q), so the whole row
+    stands or falls together, decided by q alone.
+    """
     if state.params.do_sample:
         q_small = probs_from_logits(logits, state.params)
         cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
         q = q_small if vocab is None else q_small.new_zeros(q_small.shape[0], vocab_size).index_copy_(1, vocab, q_small)
+        conf = q_small.max(-1, keepdim=True).values.expand(-1, width)
     else:
         cand = pick_candidates(logits, width, params=state.params, generator=None)
         q = None
-    return Candidates(tokens=cand if vocab is None else vocab[cand], q=q)
+        conf = logits.float().softmax(-1).gather(1, cand)
+    return Candidates(tokens=cand if vocab is None else vocab[cand], q=q, conf=conf)
 
 
 def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
@@ -98,7 +108,23 @@ def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
     depth d - 1), so that row is also the q the node's children were drawn from: q_index = depth.
     """
     body = cand[tree.depths[1:] - 1, tree.ranks[1:]]
-    return torch.cat([torch.tensor([root], device=body.device), body])
+    return torch.cat([torch.tensor([root], device=body.device, dtype=body.dtype), body])
+
+
+def check_threshold(threshold: float) -> float:
+    threshold = float(threshold)
+    if not 0 <= threshold < 1:
+        raise ValueError(f"threshold must be in [0, 1) (got {threshold}): a draft path probability below it is not proposed")
+    return threshold
+
+
+def pruned(tree: Tree, conf: torch.Tensor, threshold: float) -> Tree:
+    """``tree`` without the nodes the draft gives less than ``threshold`` path probability (tree.prune).
+
+    conf: (R, width) per-candidate confidences, one row per depth (``Candidates.conf``)."""
+    if threshold <= 0:
+        return tree
+    return build_tree(prune(tree, layout(tree, 1.0, conf), threshold), str(tree.parents.device))
 
 
 def tree_width(tree: Tree) -> int:

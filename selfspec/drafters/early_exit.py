@@ -9,6 +9,13 @@ and any sibling leaves). This is LayerSkip's reuse of the draft's KV in verifica
 Tree: a chain of k (nodes 1..k first, so node order matches the order the cache was written
 in), optionally with width - 1 alternative leaves per depth from the same exit distribution.
 
+Confidence: with ``threshold`` > 0 the chain stops as soon as its path probability under the
+exit head falls below it (and siblings are cut the same way, ``tree.prune``). Each chain node
+costs half a decode step to draft, so stopping early is where this drafter saves most. A step
+whose very first draft is doubtful proposes nothing: the verifier then runs only layers[E:] on
+the pending token, whose layers[0:E] the draft already ran, so it costs one plain step plus
+the exit head, and never the half step a rejected draft would waste in verification.
+
 Exit adapters: a residual MLP is stateless. A decoder-layer adapter attends over earlier
 positions, so it keeps its own one-layer KV cache with the same invariant as the target's
 (every committed token but the pending one): filled from the prompt's layer-E states at
@@ -26,13 +33,14 @@ from .. import cache as kv
 from ..heads import ExitLayerHead, Heads
 from ..tree import Tree
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, Resume, TargetOut, layout, draft_head, row_candidates, tree_width
+from .base import (DecodeState, Draft, Drafter, Resume, TargetOut, check_threshold, draft_head, layout, pruned,
+                   row_candidates, tree_width)
 
 
 class EarlyExitDrafter(Drafter):
     name = "early-exit"
 
-    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree):
+    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree, threshold: float = 0.0):
         exit_layer = heads.config.exit_layer
         if exit_layer is None or not 0 < exit_layer < backbone.num_layers:
             raise ValueError(f"exit layer {exit_layer} must be between 1 and {backbone.num_layers - 1}")
@@ -44,6 +52,7 @@ class EarlyExitDrafter(Drafter):
         self.backbone = backbone
         self.heads = heads
         self.tree = tree
+        self.threshold = check_threshold(threshold)
         self.exit_layer = exit_layer
         self.width = tree_width(tree)
         self.vocab = heads.draft_vocab
@@ -51,6 +60,7 @@ class EarlyExitDrafter(Drafter):
         self.stateful = isinstance(heads.module, ExitLayerHead)
         self.capture_layer = exit_layer if self.stateful else None
         self.adapter_cache = kv.new_cache()
+        self.drafted = 0  # chain nodes the last draft ran through layers[0:E] (root included)
 
     def _adapt(self, h: torch.Tensor, start: int) -> torch.Tensor:
         """Exit adapter on layer-E states (1, n, H) at positions start.. ; a layer adapter appends its KV."""
@@ -72,9 +82,8 @@ class EarlyExitDrafter(Drafter):
         if not self.stateful:
             return
         past = state.past_len - len(accepted.path)     # the cache length before this step
-        k = self.tree.depth
-        # Drafting ran the adapter on chain nodes 0..k-1; the path is 0, 1, .., j (+ a sibling leaf).
-        seen = sum(1 for node in accepted.path if node < k)
+        # Drafting ran the adapter on chain nodes 0..m-1; the path is 0, 1, .., j (+ a sibling leaf).
+        seen = sum(1 for node in accepted.path if node < self.drafted)
         kv.truncate(self.adapter_cache, past + seen)
         missing = list(accepted.path[seen:])            # at most one node: chain node k or a leaf
         if missing:
@@ -84,7 +93,8 @@ class EarlyExitDrafter(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         bb, E, k = self.backbone, self.exit_layer, self.tree.depth
         past, tok = state.past_len, state.ids[-1]
-        hiddens, rows, qs = [], [], []
+        hiddens, rows, qs, confs = [], [], [], []
+        chain_conf = 1.0
         for j in range(k):
             # One token through layers[0:E]; its KV for those layers lands in the shared cache.
             # No mask: the query is the newest position and may see every cached one.
@@ -96,7 +106,17 @@ class EarlyExitDrafter(Drafter):
             cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=state)
             rows.append(cand.tokens)
             qs.append(cand.q)
+            confs.append(cand.conf)
+            chain_conf *= float(cand.conf[0, 0])                  # same product tree.prune takes
+            if chain_conf < self.threshold:
+                break      # the next chain node is too doubtful to pay for another half step
             tok = int(cand.tokens[0, 0])  # the chain continues with the best (greedy) or first-drawn candidate
-        tokens = layout(self.tree, state.ids[-1], torch.cat(rows))
+        pad = k - len(rows)  # depths never drafted: zero confidence, pruned below
+        tokens_rows = torch.cat(rows + [rows[0].new_zeros(pad, self.width)])
+        tree = pruned(self.tree, torch.cat(confs + [confs[0].new_zeros(pad, self.width)]), self.threshold)
+        # The drafted chain nodes lead the tree; the cache holds layers[0:E] for exactly these.
+        assert tree.paths[: len(hiddens) - 1] == self.tree.paths[: len(hiddens) - 1] and tree.size >= len(hiddens)
+        tokens = layout(tree, state.ids[-1], tokens_rows)
+        self.drafted = len(hiddens)
         q = torch.cat(qs) if state.params.do_sample else None
-        return Draft(tree=self.tree, tokens=tokens, q=q, resume=Resume(layer=E, hidden=torch.cat(hiddens, dim=1)))
+        return Draft(tree=tree, tokens=tokens, q=q, resume=Resume(layer=E, hidden=torch.cat(hiddens, dim=1)))

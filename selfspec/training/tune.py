@@ -3,7 +3,10 @@
 Medusa: measure each head's rank accuracy (how often the target's token is its rank-r
 candidate), grow best-first trees of several sizes from it (``tree.tree_from_rank_accuracy``),
 then time real greedy decoding with each and keep the fastest. Early exit: time chain lengths.
-The winner goes into the heads' ``config.extra["tree"]``, which ``tree="auto"`` uses.
+Some trees are also timed with confidence pruning (``tree.prune``: each step drops the nodes
+whose draft path probability is below a threshold), which lets a larger tree pay off.
+The winner goes into the heads' ``config.extra["tree"]`` and ``["threshold"]``, which
+``tree="auto"`` / ``threshold="auto"`` use.
 
 Held-out prompts are the training run's own eval split (same data directory, seed and
 fraction as recorded in the heads), so nothing is tuned on the evaluation prompts.
@@ -32,6 +35,11 @@ from .train import Sequence, split_eval, to_sequences
 
 MEDUSA_SIZES = (2, 3, 4, 6, 8, 12, 16)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
+# Also timed with each pruning threshold (all of the above are timed unpruned).
+MEDUSA_PRUNED_SIZES = (4, 8, 16)
+MEDUSA_THRESHOLDS = (0.05, 0.1, 0.2)
+EXIT_PRUNED_TREES = ("chain-1-w4", "chain-2", "chain-3", "chain-4")
+EXIT_THRESHOLDS = (0.2, 0.35, 0.5)  # an exit draft costs half a step: only confident ones pay
 
 
 @dataclass
@@ -40,6 +48,8 @@ class Candidate:
     size: int
     tokens_per_s: float
     tau: float
+    threshold: float = 0.0
+    nodes_per_step: float = 0.0   # draft nodes actually verified per step, after pruning
 
 
 def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
@@ -102,47 +112,54 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
-def _time(bb: Backbone, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float]:
-    toks, wall, steps, committed = 0, 0.0, 0, 0
+def _time(bb: Backbone, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float, float]:
+    """(tokens/s, tau, draft nodes verified per step) of greedy decoding over ``prompts``."""
+    toks, wall, steps, committed, drafted = 0, 0.0, 0, 0, 0
     for p in prompts:
         new, st = decode(bb, drafter, p.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
                          eos_token_ids=set(), generator=None)
         toks, wall = toks + len(new), wall + st.wall_s
         steps += st.steps
+        drafted += st.drafted
         committed += sum((a + 1) * n for a, n in enumerate(st.accepted_hist))
-    return toks / wall, committed / max(steps, 1)
+    return toks / wall, committed / max(steps, 1), drafted / max(steps, 1)
 
 
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
-              repeats: int = 2, progress: bool = True) -> tuple[object, list[Candidate], list | None]:
-    """Time every candidate tree (interleaved, ``repeats`` rounds, median) and return (best spec, all, acc)."""
+              repeats: int = 2, progress: bool = True, prune: bool = True) -> tuple[Candidate, list[Candidate], list | None]:
+    """Time every candidate (tree, threshold) (interleaved, ``repeats`` rounds, median); return (best, all, acc)."""
     bb = Backbone(model)
     prompts = [s.ids[: s.response_start] for s in seqs[:n_prompts]]
     acc = None
     if heads.config.kind == "medusa":
         acc = medusa_rank_accuracy(model, heads, seqs[: max(n_prompts * 4, 32)])
         acc_t = tuple(tuple(a) for a in acc)
-        specs = [tree_from_rank_accuracy(acc_t, n) for n in MEDUSA_SIZES]
-        make = lambda spec: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)))  # noqa: E731
+        grid = [(tree_from_rank_accuracy(acc_t, n), 0.0) for n in MEDUSA_SIZES]
+        grid += [(tree_from_rank_accuracy(acc_t, n), t) for n in MEDUSA_PRUNED_SIZES for t in MEDUSA_THRESHOLDS] if prune else []
+        make = lambda spec, t: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t)  # noqa: E731
     else:
-        specs = list(EXIT_TREES)
-        make = lambda spec: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)))  # noqa: E731
-    for spec in specs:  # warm-up, and the LM-head projection times its layouts for each tree size here
-        _time(bb, make(spec), prompts[:1], 4)
-    runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(specs))}
-    bar = tqdm(total=repeats * len(specs), desc="tune-tree", disable=not progress)
+        grid = [(spec, 0.0) for spec in EXIT_TREES]
+        grid += [(spec, t) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
+        make = lambda spec, t: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
+                                                threshold=t)
+    for spec, t in grid:  # warm-up, and the LM-head projection times its layouts for each tree size here
+        _time(bb, make(spec, t), prompts[:1], 4)
+    runs: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(grid))}
+    bar = tqdm(total=repeats * len(grid), desc="tune-tree", disable=not progress)
     for rep in range(repeats):
-        order = list(range(len(specs)))
+        order = list(range(len(grid)))
         order = order[rep % len(order):] + order[: rep % len(order)]  # rotate: drift hits all alike
         for i in order:
-            runs[i].append(_time(bb, make(specs[i]), prompts, max_new_tokens))
+            runs[i].append(_time(bb, make(*grid[i]), prompts, max_new_tokens))
             bar.update(1)
     bar.close()
-    cands = [Candidate(spec=specs[i], size=build_tree(parse_tree(specs[i], default=())).size - 1,
+    cands = [Candidate(spec=spec, size=build_tree(parse_tree(spec, default=())).size - 1, threshold=t,
                        tokens_per_s=statistics.median(r[0] for r in runs[i]),
-                       tau=statistics.median(r[1] for r in runs[i])) for i in range(len(specs))]
+                       tau=statistics.median(r[1] for r in runs[i]),
+                       nodes_per_step=statistics.median(r[2] for r in runs[i]))
+             for i, ((spec, t), r) in enumerate(zip(grid, runs.values()))]
     best = max(cands, key=lambda c: c.tokens_per_s)
-    return best.spec, cands, acc
+    return best, cands, acc
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +170,7 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
 
 
 def run_tune(args) -> int:
@@ -171,11 +189,13 @@ def run_tune(args) -> int:
                        device=p.device, dtype=p.dtype, model=loaded.model)
     seqs = heldout_sequences(args.data, heads)
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
-                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune)
     for c in cands:
-        print(f"{c.size:3d} nodes  {c.tokens_per_s:6.1f} tok/s  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
+        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  {c.nodes_per_step:5.2f} verified/step  "
+              f"{c.tokens_per_s:6.1f} tok/s  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
     heads.config.extra = dict(heads.config.extra or {})
-    heads.config.extra["tree"] = best if isinstance(best, str) else [list(p) for p in best]
+    heads.config.extra["tree"] = best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec]
+    heads.config.extra["threshold"] = best.threshold
     heads.config.extra["tree_search"] = {
         "held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(), "rank_accuracy": acc,
@@ -183,5 +203,6 @@ def run_tune(args) -> int:
                        for c in cands],
     }
     save_heads(heads, args.heads)
-    print(f"tree=auto for {args.heads} is now the {best if isinstance(best, str) else f'{len(best)}-node tree'}")
+    shape = best.spec if isinstance(best.spec, str) else f"{len(best.spec)}-node tree"
+    print(f"tree=auto for {args.heads} is now the {shape}, threshold=auto {best.threshold}")
     return 0
