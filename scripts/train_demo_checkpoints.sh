@@ -21,9 +21,9 @@ done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
 T=(--threads "$THREADS")
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$DATA" "${T[@]}" --prompts-n 4
+run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$DATA" "${T[@]}" --prompts-n 6
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml --data "$DATA" "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 4 --repeats 1
+run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 6
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit-layer.yaml --data "$DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$LAYER" --data "$DATA" "${T[@]}" --prompts-n 4 --repeats 1
 run selfspec train-draft --model smollm2-135m --layers 2 --data "$DATA" --out "$CK/draft-2l" \

@@ -75,6 +75,8 @@ def cmd_generate(args) -> int:
         raise ValueError("--heads only applies to --drafter medusa or early-exit")
     if args.threshold != "auto" and args.drafter not in ("medusa", "early-exit"):
         raise ValueError("--threshold only applies to --drafter medusa or early-exit")
+    if args.gate != "auto" and args.drafter != "medusa":
+        raise ValueError("--gate only applies to --drafter medusa (early exit: use --threshold)")
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":
         draft_model = shipped_draft(args.model)
@@ -82,7 +84,7 @@ def cmd_generate(args) -> int:
             raise ValueError("--drafter draft-model needs --draft-model PATH (a model directory, .gguf or hub id)")
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
                                               tree=args.tree, dtype=args.dtype, device=args.device,
-                                              threshold=args.threshold)
+                                              threshold=args.threshold, gate=args.gate)
     ids = encode_prompt(sm.tokenizer, args.prompt, chat=args.chat)
     sampling = args.temperature > 0
     gen = torch.Generator(device=sm.backbone.device).manual_seed(args.seed)
@@ -112,6 +114,9 @@ def add_generate(sub) -> None:
     p.add_argument("--threshold", default="auto",
                    help="medusa / early-exit: propose only tree nodes whose draft path probability is >= this "
                         "(0 = the whole tree; auto = the value tune-tree measured fastest). Output is unchanged")
+    p.add_argument("--gate", default="auto",
+                   help="medusa: propose nothing in a step whose tree the heads expect fewer than this many tokens "
+                        "accepted from (0 = always propose; auto = as tuned). Output is unchanged")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)

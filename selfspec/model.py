@@ -71,19 +71,19 @@ def _tuned_tree(heads: Heads, fallback):
     return parse_tree(spec, default=fallback) if spec else fallback
 
 
-def _threshold(heads: Heads, threshold) -> float:
-    """threshold="auto": the one measured best with the tuned tree (config.extra["threshold"]), else 0 (no pruning)."""
-    if threshold is None or threshold == "auto":
-        return float((heads.config.extra or {}).get("threshold", 0.0))
+def _tuned(heads: Heads, value, key: str) -> float:
+    """threshold / gate "auto": the value measured best with the tuned tree (config.extra[key]), else 0 (off)."""
+    if value is None or value == "auto":
+        return float((heads.config.extra or {}).get(key, 0.0))
     try:
-        return float(threshold)
+        return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"threshold must be 'auto' or a number in [0, 1) (got {threshold!r})") from None
+        raise ValueError(f"{key} must be 'auto' or a number (got {value!r})") from None
 
 
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, tree, name: str,
-                 draft_model=None, exit_layer: int | None = None, threshold="auto"):
+                 draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -99,13 +99,13 @@ class SelfSpeculativeModel:
             fallback = tuple(p for p in MEDUSA_DEFAULT if len(p) <= heads.config.num_heads)
             default = _tuned_tree(heads, fallback)
             self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device),
-                                         threshold=_threshold(heads, threshold))
+                                         threshold=_tuned(heads, threshold, "threshold"), gate=_tuned(heads, gate, "gate"))
         elif drafter_name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
                 raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
             default = _tuned_tree(heads, parse_tree(DEFAULT_EARLY_EXIT_TREE, default=chain(4)))
             self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device),
-                                            threshold=_threshold(heads, threshold))
+                                            threshold=_tuned(heads, threshold, "threshold"))
         else:
             default = parse_tree(DEFAULT_DRAFT_MODEL_TREE, default=chain(4))
             self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(tree, default=default), device),
@@ -115,7 +115,7 @@ class SelfSpeculativeModel:
     @classmethod
     def from_pretrained(cls, name_or_path, drafter: str = "medusa", heads=None, exit_layer: int | None = None,
                         draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS,
-                        threshold="auto"):
+                        threshold="auto", gate="auto"):
         """Load a target model and attach a drafter.
 
         heads: a heads directory (from ``selfspec train-heads``) for ``medusa`` / ``early-exit``; None gives
@@ -123,7 +123,9 @@ class SelfSpeculativeModel:
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
         "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit only; each step
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
-        the value ``selfspec tune-tree`` measured fastest, 0 for heads never tuned). Output is unchanged.
+        the value ``selfspec tune-tree`` measured fastest, 0 for heads never tuned). gate: medusa only; a step
+        whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;
+        "auto" as for threshold). Output is unchanged either way.
         """
         check_drafter_name(drafter)
         dtype, device = resolve_dtype(dtype), resolve_device(device)
@@ -153,8 +155,10 @@ class SelfSpeculativeModel:
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
         if drafter not in ("medusa", "early-exit") and threshold not in ("auto", None, 0, 0.0):
             raise ValueError(f"threshold applies to the medusa and early-exit drafters, not {drafter!r}")
+        if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
+            raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
-                   draft_model=draft, exit_layer=exit_layer, threshold=threshold)
+                   draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate)
 
     @staticmethod
     def _apply_lora(model, heads_dir: Path, config: HeadsConfig) -> None:

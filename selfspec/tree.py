@@ -114,26 +114,39 @@ def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
     )
 
 
-def prune(tree: Tree, conf: torch.Tensor, threshold: float) -> tuple[Path, ...]:
+def path_probs(tree: Tree, conf: torch.Tensor) -> torch.Tensor:
+    """(n,) float64: the product of ``conf`` (the draft's probability of each node given its parent)
+    along each node's path; the root's is 1. Summed over a tree's nodes it is the number of its
+    tokens the draft expects accepted (siblings are exclusive, so at most one path is accepted)."""
+    out = conf.double().clone()
+    out[0] = 1.0
+    for i in range(1, tree.size):  # parents come before children
+        out[i] = out[int(tree.parents[i])] * out[i]
+    return out
+
+
+def prune(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -> tuple[Path, ...]:
     """The paths of ``tree`` a draft is confident enough to propose: a pure function.
 
-    conf: (n,) the draft's probability for each node given its parent (root ignored). A node is
-    kept when the product of conf along its path is >= ``threshold`` and its parent is kept, so
-    the result is prefix-closed, in the tree's own node order. threshold 0 keeps every node.
+    conf: (n,) the draft's probability for each node given its parent (root ignored).
+    threshold: a node is kept when its path probability is >= threshold and its parent is kept,
+    so the result is prefix-closed, in the tree's own node order (0 keeps every node).
+    gate: then the whole tree is dropped unless the kept nodes' expected accepted tokens (their
+    summed path probabilities) reach ``gate`` (0: never dropped).
 
-    On a CPU every verified node costs a few percent of a decode step, and a chain node of the
-    early-exit drafter half a step: a candidate the draft itself gives little chance is cheaper
-    not proposed. Pruning never changes which tokens are committed (acceptance still decides).
+    On a CPU, verifying even one draft node costs most of an extra decode step (small matrix
+    products run barely faster per row than one-row ones), and an early-exit chain node costs half
+    a step to draft: a draft the draft itself gives little chance is cheaper not proposed.
+    Pruning never changes which tokens are committed (acceptance still decides).
     """
-    if threshold <= 0:
+    if threshold <= 0 and gate <= 0:
         return tree.paths
-    path_conf = conf.double().clone()
-    path_conf[0] = 1.0
+    probs = path_probs(tree, conf)
     keep = [True] + [False] * (tree.size - 1)
-    for i in range(1, tree.size):  # parents come before children
-        parent = int(tree.parents[i])
-        path_conf[i] = path_conf[parent] * path_conf[i]
-        keep[i] = keep[parent] and float(path_conf[i]) >= threshold
+    for i in range(1, tree.size):
+        keep[i] = keep[int(tree.parents[i])] and float(probs[i]) >= threshold
+    if gate > 0 and float(sum(probs[i] for i in range(1, tree.size) if keep[i])) < gate:
+        return ()
     return tuple(p for i, p in enumerate(tree.paths, start=1) if keep[i])
 
 

@@ -162,14 +162,15 @@ def test_confidence_pruned_early_exit_is_exact(tree, threshold):
     assert 0 < stats.drafted < stats.steps * len(tree)   # some steps pruned, some proposed
 
 
-@pytest.mark.parametrize("threshold", [0.01, 0.05])
-def test_confidence_pruned_medusa_is_exact(threshold):
+@pytest.mark.parametrize("threshold,gate", [(0.01, 0.0), (0.05, 0.0), (0.0, 0.25)])
+def test_confidence_pruned_medusa_is_exact(threshold, gate):
     model = tiny_model("llama")
     bb = Backbone(model)
     ids = _prompt(model.config.vocab_size, seed=3)
     ref = hf_greedy(model, ids, N_NEW)
     heads = _noisy(untrained_heads("medusa", model, "t", token_input=True))
-    out, stats = _run(model, MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=threshold), ids)
+    out, stats = _run(model, MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=threshold, gate=gate),
+                      ids)
     assert torch.equal(out, ref)
     assert 0 < stats.drafted < stats.steps * len(MEDUSA_DEFAULT)
 

@@ -263,16 +263,17 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     assert all(0 <= sum(a) <= 1 + 1e-6 for a in acc)
     best, cands, _ = tune_tree(model, heads, seqs, n_prompts=2, max_new_tokens=8, repeats=1, progress=False)
     assert best == max(cands, key=lambda c: c.tokens_per_s) and all(c.tau >= 1.0 for c in cands)
-    assert {c.threshold for c in cands} > {0.0}   # pruned candidates were timed too
-    for c in cands:   # pruning only ever verifies fewer nodes than the tree has
-        assert 0 <= c.nodes_per_step <= c.size and (c.threshold > 0 or c.nodes_per_step == c.size)
+    assert {c.gate for c in cands} > {0.0}   # gated candidates were timed too
+    for c in cands:   # cutting only ever verifies fewer nodes than the tree has
+        assert 0 <= c.nodes_per_step <= c.size and (c.gate > 0 or c.nodes_per_step == c.size)
     heads.config.extra["tree"] = [list(p) for p in best.spec]
     heads.config.extra["threshold"] = best.threshold
+    heads.config.extra["gate"] = best.gate
     save_heads(heads, cfg.out)
     tuned = load_heads(cfg.out, expect_kind="medusa", fingerprint=fp)
     sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, tree="auto", name="tiny")
     assert sm.drafter.tree.paths == tuple(tuple(p) for p in best.spec)
-    assert sm.drafter.threshold == best.threshold
+    assert sm.drafter.threshold == best.threshold and sm.drafter.gate == best.gate
     prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
     assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
 

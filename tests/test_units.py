@@ -159,6 +159,11 @@ def test_prune_keeps_confident_prefix_closed_paths():
     assert prune(tree, conf2, 0.2) == ()
     sub = build_tree(prune(tree, conf, 0.2))   # a valid tree in the original node order
     assert sub.size == 5 and sub.depth == 3
+    # Gate: all or nothing on the expected accepted tokens (summed path probabilities) of what is kept.
+    assert prune(tree, conf, 0.0, gate=2.0) == tree.paths          # .8+.15+.4+.24+.135+.36 = 2.085
+    assert prune(tree, conf, 0.0, gate=2.1) == ()
+    assert prune(tree, conf, 0.2, gate=1.79) == ((0,), (0, 0), (0, 1), (0, 0, 0))   # kept: 1.8
+    assert prune(tree, conf, 0.2, gate=1.81) == ()
 
 
 def test_pruned_draft_confidences_follow_the_tree_layout():

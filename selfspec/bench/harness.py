@@ -216,6 +216,7 @@ def _agg(runs: list[Run]) -> dict:
         steps = sum(s.steps for s in stats)
         committed = sum((a + 1) * n for s in stats for a, n in enumerate(s.accepted_hist))
         out["tau"] = committed / steps if steps else 1.0
+        out["drafted_per_step"] = sum(s.drafted for s in stats) / steps if steps else 0.0
         depth = max(len(s.drafted_by_depth) for s in stats)
         drafted = [sum(s.drafted_by_depth[d] for s in stats if d < len(s.drafted_by_depth)) for d in range(depth)]
         accepted = [sum(s.accepted_by_depth[d] for s in stats if d < len(s.accepted_by_depth)) for d in range(depth)]

@@ -39,6 +39,7 @@ def build_methods(
     draft_tree="auto",
     medusa_threshold="auto",
     exit_threshold="auto",
+    medusa_gate="auto",
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft each method used."""
     sampling = temperature > 0
@@ -101,9 +102,12 @@ def build_methods(
             medusa = kind == "medusa"
             sm = spec(kind, heads=heads_for(kind, medusa_heads if medusa else exit_heads),
                       tree=medusa_tree if medusa else exit_tree,
-                      threshold=medusa_threshold if medusa else exit_threshold)
+                      threshold=medusa_threshold if medusa else exit_threshold,
+                      gate=medusa_gate if medusa else "auto")
             notes[f"{kind}_tree"] = [list(p) for p in sm.drafter.tree.paths]
             notes[f"{kind}_threshold"] = sm.drafter.threshold
+            if medusa:
+                notes["medusa_gate"] = sm.drafter.gate
             fn = ours(sm)
         else:
             fn = ours(spec("draft-model", heads=None, tree=draft_tree, draft_model=draft_model))

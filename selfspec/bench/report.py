@@ -19,8 +19,9 @@ def markdown(result: dict) -> str:
         f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, "
         f"temperature {cfg['temperature']}",
         "",
-        "| method | tokens/s | speedup | median speedup | tau | acceptance by depth | draft / verify share | peak MB | identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | tokens/s | speedup | median speedup | tau | drafts verified / step | acceptance by depth "
+        "| draft / verify share | peak MB | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
         acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or []) or "-"
@@ -29,7 +30,7 @@ def markdown(result: dict) -> str:
         if m.get("numeric_ties"):
             ident += f", {m['numeric_ties']} numeric ties"
         lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {_f(m['speedup'])}x | {_f(m['speedup_median'])}x | "
-                     f"{_f(m['tau'])} | {acc} | {share} | {_f(m['peak_memory_mb'], '{:.0f}')} | {ident} |")
+                     f"{_f(m['tau'])} | {_f(m.get('drafted_per_step'))} | {acc} | {share} | {_f(m['peak_memory_mb'], '{:.0f}')} | {ident} |")
     cats = sorted({c for m in methods.values() for c in m["per_category"]})
     if len(cats) > 1:
         lines += ["", "Speedup by category:", "", "| method | " + " | ".join(cats) + " |",

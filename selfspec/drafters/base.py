@@ -118,13 +118,20 @@ def check_threshold(threshold: float) -> float:
     return threshold
 
 
-def pruned(tree: Tree, conf: torch.Tensor, threshold: float) -> Tree:
-    """``tree`` without the nodes the draft gives less than ``threshold`` path probability (tree.prune).
+def check_gate(gate: float) -> float:
+    gate = float(gate)
+    if gate < 0:
+        raise ValueError(f"gate must be >= 0 (got {gate}): the expected accepted tokens below which nothing is proposed")
+    return gate
+
+
+def pruned(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -> Tree:
+    """``tree`` cut where the draft is unsure (``tree.prune``: node threshold, then whole-tree gate).
 
     conf: (R, width) per-candidate confidences, one row per depth (``Candidates.conf``)."""
-    if threshold <= 0:
+    if threshold <= 0 and gate <= 0:
         return tree
-    return build_tree(prune(tree, layout(tree, 1.0, conf), threshold), str(tree.parents.device))
+    return build_tree(prune(tree, layout(tree, 1.0, conf), threshold, gate), str(tree.parents.device))
 
 
 def tree_width(tree: Tree) -> int:

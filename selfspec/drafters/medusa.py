@@ -3,7 +3,9 @@
 No extra forward pass: the hidden state that produced the pending token comes out of the
 previous verification (or prefill), and head d's top candidates fill depth d of the tree.
 With ``threshold`` > 0 the tree is cut each step to the nodes the heads give at least that path
-probability (``tree.prune``), so confident steps verify the full tree and doubtful ones less.
+probability; with ``gate`` > 0 a step whose tree the heads expect to get fewer than ``gate``
+tokens accepted proposes nothing and costs one plain step (``tree.prune``). Both read only the
+heads' distributions (see ``row_candidates``), so sampling stays exact.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from ..backbone import Backbone
 from ..heads import Heads
 from ..tree import Tree
 from ..verify import Accepted
-from .base import (DecodeState, Draft, Drafter, TargetOut, check_threshold, draft_head, layout, pruned,
+from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_threshold, draft_head, layout, pruned,
                    row_candidates, tree_width)
 
 
 class MedusaDrafter(Drafter):
     name = "medusa"
 
-    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree, threshold: float = 0.0):
+    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree, threshold: float = 0.0, gate: float = 0.0):
         k = heads.config.num_heads
         if tree.depth > k:
             raise ValueError(f"tree depth {tree.depth} exceeds the {k} Medusa heads: use a tree of depth <= {k}")
@@ -29,6 +31,7 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         self.tree = tree
         self.threshold = check_threshold(threshold)
+        self.gate = check_gate(gate)
         self.vocab = heads.draft_vocab
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.hidden: torch.Tensor | None = None          # (H,) that produced the pending token
@@ -47,7 +50,7 @@ class MedusaDrafter(Drafter):
         logits = self.project(h)
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
-        tree = pruned(self.tree, cand.conf, self.threshold)
+        tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
         return Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:

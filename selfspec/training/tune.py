@@ -3,10 +3,11 @@
 Medusa: measure each head's rank accuracy (how often the target's token is its rank-r
 candidate), grow best-first trees of several sizes from it (``tree.tree_from_rank_accuracy``),
 then time real greedy decoding with each and keep the fastest. Early exit: time chain lengths.
-Some trees are also timed with confidence pruning (``tree.prune``: each step drops the nodes
-whose draft path probability is below a threshold), which lets a larger tree pay off.
-The winner goes into the heads' ``config.extra["tree"]`` and ``["threshold"]``, which
-``tree="auto"`` / ``threshold="auto"`` use.
+Some trees are also timed cut by confidence (``tree.prune``): early exit with a node threshold
+(the chain stops where its draft path probability falls below it), Medusa with a gate (a step
+whose tree the heads expect fewer than ``gate`` tokens accepted from proposes nothing). The
+winner goes into the heads' ``config.extra`` ``tree`` / ``threshold`` / ``gate``, which the
+"auto" settings use.
 
 Held-out prompts are the training run's own eval split (same data directory, seed and
 fraction as recorded in the heads), so nothing is tuned on the evaluation prompts.
@@ -35,11 +36,13 @@ from .train import Sequence, split_eval, to_sequences
 
 MEDUSA_SIZES = (2, 3, 4, 6, 8, 12, 16)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
-# Also timed with each pruning threshold (all of the above are timed unpruned).
-MEDUSA_PRUNED_SIZES = (4, 8, 16)
-MEDUSA_THRESHOLDS = (0.05, 0.1, 0.2)
-EXIT_PRUNED_TREES = ("chain-1-w4", "chain-2", "chain-3", "chain-4")
-EXIT_THRESHOLDS = (0.2, 0.35, 0.5)  # an exit draft costs half a step: only confident ones pay
+# Also timed cut by confidence (all of the above are timed uncut). On the 2-core dev CPU, verifying
+# any 1-7 draft nodes costs ~1.7-1.9 plain steps: a Medusa step pays off only if it expects most of
+# a token accepted (gate), and an exit chain node, half a step to draft, only when it is likely.
+MEDUSA_GATED_SIZES = (4, 8)
+MEDUSA_GATES = (0.3, 0.5, 0.8)
+EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
+EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Candidate:
     tokens_per_s: float
     tau: float
     threshold: float = 0.0
+    gate: float = 0.0
     nodes_per_step: float = 0.0   # draft nodes actually verified per step, after pruning
 
 
@@ -134,16 +138,17 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
     if heads.config.kind == "medusa":
         acc = medusa_rank_accuracy(model, heads, seqs[: max(n_prompts * 4, 32)])
         acc_t = tuple(tuple(a) for a in acc)
-        grid = [(tree_from_rank_accuracy(acc_t, n), 0.0) for n in MEDUSA_SIZES]
-        grid += [(tree_from_rank_accuracy(acc_t, n), t) for n in MEDUSA_PRUNED_SIZES for t in MEDUSA_THRESHOLDS] if prune else []
-        make = lambda spec, t: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t)  # noqa: E731
+        # (tree, threshold, gate)
+        grid = [(tree_from_rank_accuracy(acc_t, n), 0.0, 0.0) for n in MEDUSA_SIZES]
+        grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g) for n in MEDUSA_GATED_SIZES for g in MEDUSA_GATES] if prune else []
+        make = lambda spec, t, g: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t, gate=g)  # noqa: E731
     else:
-        grid = [(spec, 0.0) for spec in EXIT_TREES]
-        grid += [(spec, t) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
-        make = lambda spec, t: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
-                                                threshold=t)
-    for spec, t in grid:  # warm-up, and the LM-head projection times its layouts for each tree size here
-        _time(bb, make(spec, t), prompts[:1], 4)
+        grid = [(spec, 0.0, 0.0) for spec in EXIT_TREES]
+        grid += [(spec, t, 0.0) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
+        make = lambda spec, t, g: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
+                                                   threshold=t)
+    for cand in grid:  # warm-up, and the LM-head projection times its layouts for each tree size here
+        _time(bb, make(*cand), prompts[:1], 4)
     runs: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(grid))}
     bar = tqdm(total=repeats * len(grid), desc="tune-tree", disable=not progress)
     for rep in range(repeats):
@@ -153,11 +158,11 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
             runs[i].append(_time(bb, make(*grid[i]), prompts, max_new_tokens))
             bar.update(1)
     bar.close()
-    cands = [Candidate(spec=spec, size=build_tree(parse_tree(spec, default=())).size - 1, threshold=t,
+    cands = [Candidate(spec=spec, size=build_tree(parse_tree(spec, default=())).size - 1, threshold=t, gate=g,
                        tokens_per_s=statistics.median(r[0] for r in runs[i]),
                        tau=statistics.median(r[1] for r in runs[i]),
                        nodes_per_step=statistics.median(r[2] for r in runs[i]))
-             for i, ((spec, t), r) in enumerate(zip(grid, runs.values()))]
+             for i, (spec, t, g) in enumerate(grid)]
     best = max(cands, key=lambda c: c.tokens_per_s)
     return best, cands, acc
 
@@ -191,11 +196,12 @@ def run_tune(args) -> int:
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune)
     for c in cands:
-        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  {c.nodes_per_step:5.2f} verified/step  "
+        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  {c.nodes_per_step:5.2f} verified/step  "
               f"{c.tokens_per_s:6.1f} tok/s  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
     heads.config.extra = dict(heads.config.extra or {})
     heads.config.extra["tree"] = best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec]
     heads.config.extra["threshold"] = best.threshold
+    heads.config.extra["gate"] = best.gate
     heads.config.extra["tree_search"] = {
         "held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(), "rank_accuracy": acc,
@@ -204,5 +210,5 @@ def run_tune(args) -> int:
     }
     save_heads(heads, args.heads)
     shape = best.spec if isinstance(best.spec, str) else f"{len(best.spec)}-node tree"
-    print(f"tree=auto for {args.heads} is now the {shape}, threshold=auto {best.threshold}")
+    print(f"tree=auto for {args.heads} is now the {shape}, threshold=auto {best.threshold}, gate=auto {best.gate}")
     return 0
