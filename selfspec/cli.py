@@ -73,10 +73,6 @@ def cmd_generate(args) -> int:
         raise ValueError("--draft-model only applies to --drafter draft-model")
     if args.heads is not None and args.drafter not in ("medusa", "early-exit"):
         raise ValueError("--heads only applies to --drafter medusa or early-exit")
-    if args.threshold != "auto" and args.drafter not in ("medusa", "early-exit"):
-        raise ValueError("--threshold only applies to --drafter medusa or early-exit")
-    if args.gate != "auto" and args.drafter != "medusa":
-        raise ValueError("--gate only applies to --drafter medusa (early exit: use --threshold)")
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":
         draft_model = shipped_draft(args.model)

@@ -128,6 +128,10 @@ class SelfSpeculativeModel:
         "auto" as for threshold). Output is unchanged either way.
         """
         check_drafter_name(drafter)
+        if drafter not in ("medusa", "early-exit") and threshold not in ("auto", None, 0, 0.0):
+            raise ValueError(f"threshold applies to the medusa and early-exit drafters, not {drafter!r}")
+        if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
+            raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
         dtype, device = resolve_dtype(dtype), resolve_device(device)
         loaded = load_model(name_or_path, dtype=dtype, device=device)
         model = loaded.model
@@ -153,10 +157,6 @@ class SelfSpeculativeModel:
                 draft = draft_model
         elif heads is not None or draft_model is not None:
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
-        if drafter not in ("medusa", "early-exit") and threshold not in ("auto", None, 0, 0.0):
-            raise ValueError(f"threshold applies to the medusa and early-exit drafters, not {drafter!r}")
-        if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
-            raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate)
 

@@ -114,14 +114,14 @@ def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
     )
 
 
-def path_probs(tree: Tree, conf: torch.Tensor) -> torch.Tensor:
-    """(n,) float64: the product of ``conf`` (the draft's probability of each node given its parent)
-    along each node's path; the root's is 1. Summed over a tree's nodes it is the number of its
-    tokens the draft expects accepted (siblings are exclusive, so at most one path is accepted)."""
-    out = conf.double().clone()
-    out[0] = 1.0
+def path_probs(tree: Tree, conf: torch.Tensor) -> list[float]:
+    """The product of ``conf`` (n,) (the draft's probability of each node given its parent) along
+    each node's path; the root's is 1. Summed over a tree's nodes it is the number of its tokens
+    the draft expects accepted (siblings are exclusive, so at most one path is accepted)."""
+    c, parents = conf.tolist(), tree.parents.tolist()
+    out = [1.0] * tree.size
     for i in range(1, tree.size):  # parents come before children
-        out[i] = out[int(tree.parents[i])] * out[i]
+        out[i] = out[parents[i]] * c[i]
     return out
 
 
@@ -141,11 +141,11 @@ def prune(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -
     """
     if threshold <= 0 and gate <= 0:
         return tree.paths
-    probs = path_probs(tree, conf)
+    probs, parents = path_probs(tree, conf), tree.parents.tolist()
     keep = [True] + [False] * (tree.size - 1)
     for i in range(1, tree.size):
-        keep[i] = keep[int(tree.parents[i])] and float(probs[i]) >= threshold
-    if gate > 0 and float(sum(probs[i] for i in range(1, tree.size) if keep[i])) < gate:
+        keep[i] = keep[parents[i]] and probs[i] >= threshold
+    if gate > 0 and sum(probs[i] for i in range(1, tree.size) if keep[i]) < gate:
         return ()
     return tuple(p for i, p in enumerate(tree.paths, start=1) if keep[i])
 
