@@ -500,3 +500,44 @@ def test_held_out_split_over_several_directories_is_pinned_per_directory(tmp_pat
     assert [s.ids.tolist() for s in heldout_sequences(spec, heads)] == before
     with pytest.raises(ValueError, match="read 2 data directories but 1 were given"):
         heldout_sequences(str(a), heads)
+
+
+def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_path):
+    from test_training_data import make_model, make_tokenizer
+
+    from selfspec.training.data import generate_distillation_data
+    from selfspec.training.train import recorded_split
+    from selfspec.training.tune import heldout_sequences
+
+    torch.set_num_threads(1)
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = [{"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 58}" for j in range(4))} for i in range(40)]
+    data = tmp_path / "data"
+    ds = generate_distillation_data(model, tokenizer, rows[:20], data, max_new_tokens=4, batch_size=4, progress=False)
+    first = _cfg(tmp_path, "first", steps=3, draft_vocab_size=16, eval_fraction=0.25)
+    train_heads(model, ds, config=first, name="tiny", data_dir=str(data), progress=False)
+    fp = config_fingerprint(model.config)
+    init = load_heads(first.out, expect_kind="medusa", fingerprint=fp)
+    init_train, init_held = recorded_split(str(data), init)
+    key = lambda s: tuple(s.ids.tolist())  # noqa: E731
+
+    # The data grows, then a warm-started run with lr 0 must end where the init ended, on the init's vocabulary.
+    ds = generate_distillation_data(model, tokenizer, rows, data, max_new_tokens=4, batch_size=4, progress=False)
+    warm = _cfg(tmp_path, "warm", steps=2, lr=0.0, draft_vocab_size=16, eval_fraction=0.25, init=first.out)
+    train_heads(model, ds, config=warm, name="tiny", data_dir=str(data), progress=False)
+    heads = load_heads(warm.out, expect_kind="medusa", fingerprint=fp)
+    assert torch.equal(heads.draft_vocab, init.draft_vocab)
+    for name, tensor in heads.module.state_dict().items():
+        torch.testing.assert_close(tensor, init.module.state_dict()[name])
+    # Its held-out split keeps every sequence the init held out and none it trained on, and tune-tree
+    # and eval-heads rebuild exactly that split.
+    trained, held = recorded_split(str(data), heads)
+    held_keys = {key(s) for s in held}
+    assert {key(s) for s in init_held} <= held_keys
+    assert not held_keys & {key(s) for s in init_train}
+    assert len(trained) + len(held) == 40 and len(held) > len(init_held)
+    assert [key(s) for s in heldout_sequences(str(data), heads)] == [key(s) for s in held]
+
+    with pytest.raises(ValueError, match="num_heads 2 \\(this run: 3\\)"):
+        train_heads(model, ds, config=_cfg(tmp_path, "bad", num_heads=3, init=first.out), name="tiny",
+                    data_dir=str(data), progress=False)

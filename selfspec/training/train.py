@@ -76,6 +76,7 @@ class TrainConfig:
     feature_dtype: str = "float32"    # that pass's precision: float32 | bfloat16 (autocast, faster on CPUs with BF16)
     save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
+    init: str | None = None           # warm start: a heads directory whose weights and draft vocabulary this run starts from
     out: str = "heads-out"
 
 
@@ -165,6 +166,56 @@ def split_eval(n: int, *, fraction: float, seed: int) -> tuple[list[int], list[i
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_eval = 0 if fraction <= 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def _content_key(s: Sequence) -> tuple[bytes, int]:
+    return s.ids.numpy().tobytes(), s.response_start
+
+
+def recorded_split(data_dir: str, heads: Heads) -> tuple[list[Sequence], list[Sequence]]:
+    """(trained on, held out): the split of the run that produced ``heads``, rebuilt from what it recorded.
+
+    Data directories only grow by appended shards, so a run's rows are the first ``rows[i]`` of each
+    directory now; the split is recomputed over exactly those, never over rows added later (which
+    would move training sequences into the "held-out" set). A warm-started run records its held-out
+    rows outright (``held_out_rows``: its split keeps its init's, see :func:`warm_split`). Heads saved
+    before per-directory row counts were recorded carry only a sequence count, which pins a single
+    directory the same way.
+    """
+    from .data import load_distillation_data
+
+    extra = heads.config.extra or {}
+    tc = extra.get("train_config") or {}
+    rows = extra.get("rows")
+    seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
+    if rows is None:
+        n = extra.get("sequences", len(seqs))
+        if n > len(seqs):
+            raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
+                             "pass the data directory they were trained on")
+        seqs = seqs[:n]
+    held = extra.get("held_out_rows")
+    if held is None:
+        _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
+    held_set = set(held)
+    return [s for i, s in enumerate(seqs) if i not in held_set], [seqs[i] for i in held]
+
+
+def warm_split(seqs: list[Sequence], eval_idx: list[int], init: Heads) -> tuple[list[int], list[int]]:
+    """(train, eval) indices for a run warm-started from ``init``: whatever ``init`` held out stays held
+    out, and whatever it trained on is never scored as held-out. Sequences are matched by content,
+    so the init's data may sit anywhere in this run's (larger) data."""
+    data = (init.config.extra or {}).get("data")
+    if not data:
+        raise ValueError("the --init heads do not record their training data, so their held-out split cannot be kept: "
+                         "train from scratch instead")
+    init_train, init_held = recorded_split(data, init)
+    trained, held = {_content_key(s) for s in init_train}, {_content_key(s) for s in init_held}
+    chosen = set(eval_idx)
+    keys = [_content_key(s) for s in seqs]
+    eval_new = [i for i, k in enumerate(keys) if k in held or (i in chosen and k not in trained)]
+    eval_set = set(eval_new)
+    return [i for i in range(len(seqs)) if i not in eval_set], eval_new
 
 
 def batch_indices(n: int, *, micro_step: int, batch_size: int, seed: int) -> list[int]:
@@ -578,9 +629,13 @@ def train_heads(
     if not seqs:
         raise ValueError("the data has no sequence with a response token: generate some with `selfspec gen-data`")
     train_idx, eval_idx = split_eval(len(seqs), fraction=config.eval_fraction, seed=config.seed)
+    init = _warm_start(config, model) if config.init else None
+    if init is not None:
+        train_idx, eval_idx = warm_split(seqs, eval_idx, init)
     train_seqs, eval_seqs = [seqs[i] for i in train_idx], [seqs[i] for i in eval_idx]
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    vocab = frequent_vocab(dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+    vocab = init.draft_vocab if init is not None else frequent_vocab(
+        dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
     if config.exit_adapter not in ("mlp", "layer"):
         raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
@@ -597,6 +652,9 @@ def train_heads(
     if saved is not None:
         _check_compatible(saved, config=config, vocab=vocab, fingerprint=heads.config.base_fingerprint, out=out)
         module.load_state_dict(saved["heads"])
+    elif init is not None:
+        module.load_state_dict(init.module.state_dict())
+        log.info("warm start from %s", config.init)
     elif resume:
         log.warning("--resume: %s has no %s, starting from scratch", out, STATE_FILE)
 
@@ -647,6 +705,8 @@ def train_heads(
             "data": data_dir, "rows": data_rows, "sequences": len(seqs), "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
             "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config),
         }
+        if init is not None:  # not the seeded split: record it for tune-tree and eval-heads
+            heads.config.extra["held_out_rows"] = eval_idx
         saved_state = {
             "heads": {k: v.detach().cpu() for k, v in raw.state_dict().items()},
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -672,6 +732,33 @@ def train_heads(
                               progress=progress, callback=callback)
     finally:
         _detach_lora(lora)
+
+
+def _warm_start(config: TrainConfig, model) -> Heads:
+    """The heads in ``config.init``, checked to have this run's shape; the fp32 weights of its
+    trainer state when it has one (model.safetensors may be stored in float16)."""
+    from ..backbone import config_fingerprint
+    from ..heads import load_heads
+
+    if config.lora:
+        raise ValueError("--init warm-starts heads only: it cannot be combined with --lora")
+    heads = load_heads(config.init, expect_kind=config.kind, fingerprint=config_fingerprint(model.config), model=model)
+    c = heads.config
+    mine = {"num_heads": config.num_heads if config.kind == "medusa" else 0,
+            "token_input": config.token_input and config.kind == "medusa"}
+    if config.kind == "early-exit":
+        mine.update(adapter=config.exit_adapter, exit_layer=config.exit_layer if config.exit_layer is not None
+                    else model.config.num_hidden_layers // 2)
+        if config.exit_adapter == "mlp":
+            mine["intermediate_size"] = config.exit_intermediate or model.config.hidden_size
+    diffs = [f"{k} {getattr(c, k)} (this run: {v})" for k, v in mine.items() if getattr(c, k) != v]
+    if diffs:
+        raise ValueError(f"--init {config.init} has {', '.join(diffs)}: pass matching flags, or drop --init")
+    state = Path(config.init) / STATE_FILE
+    if state.is_file():
+        heads.module.load_state_dict(torch.load(state, map_location="cpu", weights_only=True)["heads"])
+    heads.module.float()
+    return heads
 
 
 def _attach_lora(model, rank: int):
@@ -748,11 +835,12 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
              "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens",
+             "init": "warm start: heads directory (same kind and shape) whose weights and draft vocabulary this run starts from, with a fresh optimizer and schedule",
              "token_input": "medusa: heads also read the root token's embedding (true | false)",
              "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)
-        typ = {"int | None": int}.get(str(f.type), type(default) if default is not None else int)
+        typ = {"int | None": int, "str | None": str}.get(str(f.type), type(default) if default is not None else int)
         help_ = "; ".join(x for x in (helps.get(f.name), None if default is None else f"default {default}") if x)
         parser.add_argument("--" + f.name.replace("_", "-"), type=flag_type(typ), default=None, help=help_)
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its trainer_state.pt")

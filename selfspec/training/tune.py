@@ -30,9 +30,8 @@ from ..drafters import EarlyExitDrafter, MedusaDrafter
 from ..heads import Heads, load_heads, save_heads
 from ..sampling import SamplingParams
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
-from .data import load_distillation_data
 from .losses import to_subset_ids
-from .train import Sequence, split_eval, to_sequences
+from .train import Sequence, recorded_split
 
 MEDUSA_SIZES = (2, 3, 4, 6, 8, 12, 16)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
@@ -57,27 +56,11 @@ class Candidate:
 
 
 def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
-    """The eval split of the heads' training run (recorded seed / fraction / max_len / rows used).
-
-    Data directories only grow by appended shards, so a run's rows are the first ``rows[i]`` of each
-    directory now; the split is recomputed over exactly those, never over rows added later (which
-    would move training sequences into the "held-out" set). Heads saved before per-directory row
-    counts were recorded carry only a sequence count, which pins a single directory the same way.
-    """
-    extra = heads.config.extra or {}
-    tc = extra.get("train_config") or {}
-    rows = extra.get("rows")
-    seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
-    if rows is None:
-        n = extra.get("sequences", len(seqs))
-        if n > len(seqs):
-            raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
-                             "pass the data directory they were trained on")
-        seqs = seqs[:n]
-    _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
+    """The eval split of the heads' training run (see :func:`recorded_split`)."""
+    held = recorded_split(data_dir, heads)[1]
     if not held:
         raise ValueError("the heads' training run held nothing out (eval_fraction 0): cannot tune without leakage")
-    return [seqs[i] for i in held]
+    return held
 
 
 def rank_of(scores: torch.Tensor, tokens: torch.Tensor, vocab: torch.Tensor | None, max_rank: int) -> torch.Tensor:
