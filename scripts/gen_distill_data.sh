@@ -4,7 +4,7 @@
 #   1. $OUT_BASE-greedy:        greedy answers to every prompt of train.jsonl
 #   2. $OUT_BASE-t0.7:          16 sampled answers (temperature 0.7) per Self-Instruct seed prompt:
 #                               train.jsonl has only 175 open-ended tasks against ~14k maths and code ones
-#   3. $OUT_BASE-self-instruct: greedy answers to 1,500 new tasks the target wrote itself in the
+#   3. $OUT_BASE-self-instruct: greedy answers to 4,500 new tasks the target wrote itself in the
 #                               style of those seeds (`selfspec synth-prompts`)
 #   scripts/gen_distill_data.sh [EXTRA FLAGS for gen-data...]      e.g. --batch-size 32
 # Env: MODEL (smollm2-135m), PROMPTS (../shared/data/prompts/train.jsonl; never the dev prompts),
@@ -27,8 +27,10 @@ set -euo pipefail
 python -m selfspec.training.data "$@" --prompts "'"$PROMPTS"'" --out "'"$OUT_BASE"'-greedy" --temperature 0
 python -m selfspec.training.data "$@" --prompts "'"$PROMPTS"'" --out "'"$OUT_BASE"'-t0.7" \
     --sources self_instruct_seed --samples 16 --temperature 0.7 --seed 1
-selfspec synth-prompts --model "'"$MODEL"'" --seeds "'"$PROMPTS"'" --sources self_instruct_seed --n 1500 \
-    --max-new-tokens 48 --batch-size 64 --threads "'"$THREADS"'" --dtype "'"$DTYPE"'" --out "'"$SYNTH"'" --no-progress
-python -m selfspec.training.data "$@" --prompts "'"$SYNTH"'" --out "'"$OUT_BASE"'-self-instruct" --temperature 0
+for n in 1500 4500; do  # in two rounds, as the shipped data was made (rows 1-1,500 trained stage 1)
+    selfspec synth-prompts --model "'"$MODEL"'" --seeds "'"$PROMPTS"'" --sources self_instruct_seed --n $n \
+        --max-new-tokens 48 --batch-size 64 --threads "'"$THREADS"'" --dtype "'"$DTYPE"'" --out "'"$SYNTH"'" --no-progress
+    python -m selfspec.training.data "$@" --prompts "'"$SYNTH"'" --out "'"$OUT_BASE"'-self-instruct" --temperature 0
+done
 ' gen-data "${COMMON[@]}" "$@" >>"$LOG" 2>&1 &
 echo "started pid $! -> $OUT_BASE-{greedy,t0.7,self-instruct} (log: $LOG)"

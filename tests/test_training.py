@@ -541,3 +541,4 @@ def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_pat
     with pytest.raises(ValueError, match="num_heads 2 \\(this run: 3\\)"):
         train_heads(model, ds, config=_cfg(tmp_path, "bad", num_heads=3, init=first.out), name="tiny",
                     data_dir=str(data), progress=False)
+    assert heads.config.extra["init"]["path"] == first.out and heads.config.extra["init"]["steps"] == 3

@@ -705,8 +705,10 @@ def train_heads(
             "data": data_dir, "rows": data_rows, "sequences": len(seqs), "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
             "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config),
         }
-        if init is not None:  # not the seeded split: record it for tune-tree and eval-heads
+        if init is not None:  # not the seeded split: record it for tune-tree and eval-heads; and the init's run
             heads.config.extra["held_out_rows"] = eval_idx
+            heads.config.extra["init"] = {"path": str(config.init), **{
+                k: (init.config.extra or {}).get(k) for k in ("data", "rows", "steps", "tokens_seen", "wall_s", "eval")}}
         saved_state = {
             "heads": {k: v.detach().cpu() for k, v in raw.state_dict().items()},
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
