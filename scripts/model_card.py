@@ -62,7 +62,7 @@ def _eval_section(ev: dict) -> list[str]:
 DATA_NOTES = {
     "smollm2-135m-greedy": "greedy answers to prompts of `../shared/data/prompts/train.jsonl`",
     "smollm2-135m-t0.7": "16 answers sampled at temperature 0.7 per Self-Instruct seed prompt of train.jsonl",
-    "smollm2-135m-self-instruct": "greedy answers to 1,500 prompts the target wrote itself in the style of those "
+    "smollm2-135m-self-instruct": "greedy answers to prompts the target wrote itself in the style of those "
                                   "seeds (`selfspec synth-prompts`, training/prompts/smollm2-135m-self-instruct.jsonl)",
 }
 
@@ -81,6 +81,16 @@ def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
         lines.append(f"  - `{d}`: {len(ds)} sequences, {sum(ds['n_response'])} response tokens; "
                      f"{DATA_NOTES.get(d.name, 'self-distillation data')}")
     return lines
+
+
+def _init_lines(init: dict | None, hardware: str) -> list[str]:
+    """A warm-started run: the run it started from (stage 1), whose steps and time come on top."""
+    if not init:
+        return []
+    return [f"- warm-started from `{init['path']}` (stage 1, trained from scratch: {init.get('steps')} steps, "
+            f"{init.get('tokens_seen')} response tokens seen, {init.get('wall_s')} s on {hardware}) on:",
+            *("  " + line for line in _data_lines(init.get("data"), init.get("rows"))[1:]),
+            "- the numbers above are stage 2's own; stage 1's held-out sequences stay held out in stage 2"]
 
 
 def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
@@ -139,6 +149,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine",
               f"- response tokens seen: {extra.get('tokens_seen')}",
               f"- wall time: {extra.get('wall_s')} s on {hardware} (the one-off backbone feature pass not included)",
+              *_init_lines(extra.get("init"), hardware),
               f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
               f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
               f"count, which also scores deeper heads from the prompt's last positions)", ""]
