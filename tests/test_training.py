@@ -447,29 +447,42 @@ def test_eval_heads_cli_rejects_a_directory_without_heads(tmp_path, capsys):
     assert len(err) == 1 and "not a heads directory" in err[0]
 
 
-def test_held_out_split_ignores_data_appended_after_training(tmp_path):
+def _grown_data_run(tmp_path, *, n_rows: int, first: int, **cfg):
+    """A tiny model with ``first`` of ``n_rows`` prompts answered into tmp_path/data and heads trained on
+    them; returns (model, data, config, answer), where ``answer(n, out)`` answers the first n prompts."""
     from test_training_data import make_model, make_tokenizer
 
     from selfspec.training.data import generate_distillation_data
-    from selfspec.training.tune import heldout_sequences
 
     torch.set_num_threads(1)
     model, tokenizer = make_model(), make_tokenizer(chat=True)
-    rows = [{"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 58}" for j in range(4))} for i in range(30)]
+    rows = [{"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 58}" for j in range(4))} for i in range(n_rows)]
     data = tmp_path / "data"
-    ds = generate_distillation_data(model, tokenizer, rows[:20], data, max_new_tokens=4, batch_size=4, progress=False)
-    cfg = _cfg(tmp_path, "h", steps=2, draft_vocab_size=0, eval_fraction=0.25)
-    train_heads(model, ds, config=cfg, name="tiny", data_dir=str(data), progress=False)
+    ds = generate_distillation_data(model, tokenizer, rows[:first], data, max_new_tokens=4, batch_size=4, progress=False)
+    run = _cfg(tmp_path, "first", **cfg)
+    train_heads(model, ds, config=run, name="tiny", data_dir=str(data), progress=False)
+
+    def answer(n: int = n_rows, out=data):  # answer the first n prompts into out (resumes)
+        return generate_distillation_data(model, tokenizer, rows[:n], out, max_new_tokens=4, batch_size=4, progress=False)
+
+    return model, data, run, answer
+
+
+def test_held_out_split_ignores_data_appended_after_training(tmp_path):
+    from selfspec.training.tune import heldout_sequences
+
+    model, data, cfg, answer = _grown_data_run(tmp_path, n_rows=30, first=20, steps=2, draft_vocab_size=0,
+                                             eval_fraction=0.25)
     heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=config_fingerprint(model.config))
     assert heads.config.extra["sequences"] == 20
     before = [s.ids.tolist() for s in heldout_sequences(str(data), heads)]
     assert len(before) == 5
     # The directory grows (gen-data resumed with more prompts): the held-out split must not move.
-    generate_distillation_data(model, tokenizer, rows, data, max_new_tokens=4, batch_size=4, progress=False)
+    answer()
     assert [s.ids.tolist() for s in heldout_sequences(str(data), heads)] == before
     # A directory with fewer sequences than the run saw is the wrong one.
     small = tmp_path / "small"
-    generate_distillation_data(model, tokenizer, rows[:10], small, max_new_tokens=4, batch_size=4, progress=False)
+    answer(10, small)
     with pytest.raises(ValueError, match="trained on 20 sequences"):
         heldout_sequences(str(small), heads)
 
@@ -503,26 +516,18 @@ def test_held_out_split_over_several_directories_is_pinned_per_directory(tmp_pat
 
 
 def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_path):
-    from test_training_data import make_model, make_tokenizer
-
-    from selfspec.training.data import generate_distillation_data
     from selfspec.training.train import recorded_split
     from selfspec.training.tune import heldout_sequences
 
-    torch.set_num_threads(1)
-    model, tokenizer = make_model(), make_tokenizer(chat=True)
-    rows = [{"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 58}" for j in range(4))} for i in range(40)]
-    data = tmp_path / "data"
-    ds = generate_distillation_data(model, tokenizer, rows[:20], data, max_new_tokens=4, batch_size=4, progress=False)
-    first = _cfg(tmp_path, "first", steps=3, draft_vocab_size=16, eval_fraction=0.25)
-    train_heads(model, ds, config=first, name="tiny", data_dir=str(data), progress=False)
+    model, data, first, answer = _grown_data_run(tmp_path, n_rows=40, first=20, steps=3, draft_vocab_size=16,
+                                               eval_fraction=0.25)
     fp = config_fingerprint(model.config)
     init = load_heads(first.out, expect_kind="medusa", fingerprint=fp)
     init_train, init_held = recorded_split(str(data), init)
     key = lambda s: tuple(s.ids.tolist())  # noqa: E731
 
     # The data grows, then a warm-started run with lr 0 must end where the init ended, on the init's vocabulary.
-    ds = generate_distillation_data(model, tokenizer, rows, data, max_new_tokens=4, batch_size=4, progress=False)
+    ds = answer()
     warm = _cfg(tmp_path, "warm", steps=2, lr=0.0, draft_vocab_size=16, eval_fraction=0.25, init=first.out)
     train_heads(model, ds, config=warm, name="tiny", data_dir=str(data), progress=False)
     heads = load_heads(warm.out, expect_kind="medusa", fingerprint=fp)

@@ -642,6 +642,8 @@ def train_heads(
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
                             token_input=config.token_input,
                             adapter=config.exit_adapter, intermediate_size=config.exit_intermediate)
+    if init is not None:
+        _check_init_shape(init, heads, config.init)
     heads.config.draft_vocab_size = 0 if vocab is None else int(vocab.numel())
     heads.config.storage_dtype = config.save_dtype
     heads.draft_vocab = vocab
@@ -737,30 +739,27 @@ def train_heads(
 
 
 def _warm_start(config: TrainConfig, model) -> Heads:
-    """The heads in ``config.init``, checked to have this run's shape; the fp32 weights of its
-    trainer state when it has one (model.safetensors may be stored in float16)."""
+    """The heads in ``config.init``, with the fp32 weights of its trainer state when it has one
+    (model.safetensors may be stored in float16). Their shape is checked once this run's heads exist."""
     from ..backbone import config_fingerprint
     from ..heads import load_heads
 
     if config.lora:
         raise ValueError("--init warm-starts heads only: it cannot be combined with --lora")
     heads = load_heads(config.init, expect_kind=config.kind, fingerprint=config_fingerprint(model.config), model=model)
-    c = heads.config
-    mine = {"num_heads": config.num_heads if config.kind == "medusa" else 0,
-            "token_input": config.token_input and config.kind == "medusa"}
-    if config.kind == "early-exit":
-        mine.update(adapter=config.exit_adapter, exit_layer=config.exit_layer if config.exit_layer is not None
-                    else model.config.num_hidden_layers // 2)
-        if config.exit_adapter == "mlp":
-            mine["intermediate_size"] = config.exit_intermediate or model.config.hidden_size
-    diffs = [f"{k} {getattr(c, k)} (this run: {v})" for k, v in mine.items() if getattr(c, k) != v]
-    if diffs:
-        raise ValueError(f"--init {config.init} has {', '.join(diffs)}: pass matching flags, or drop --init")
     state = Path(config.init) / STATE_FILE
     if state.is_file():
         heads.module.load_state_dict(torch.load(state, map_location="cpu", weights_only=True)["heads"])
     heads.module.float()
     return heads
+
+
+def _check_init_shape(init: Heads, mine: Heads, path: str) -> None:
+    keys = ("num_heads", "token_input", "exit_layer", "adapter", "intermediate_size")
+    diffs = [f"{k} {getattr(init.config, k)} (this run: {getattr(mine.config, k)})" for k in keys
+             if getattr(init.config, k) != getattr(mine.config, k)]
+    if diffs:
+        raise ValueError(f"--init {path} has {', '.join(diffs)}: pass matching flags, or drop --init")
 
 
 def _attach_lora(model, rank: int):
