@@ -157,21 +157,25 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
     if ts:
         lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
                   f"Chosen by `selfspec tune-tree` on {ts['held_out_prompts']} held-out training prompts "
-                  f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads). Threshold: nodes whose draft "
-                  "path probability is below it are not proposed; gate: a step whose tree is expected to get fewer "
-                  "tokens accepted proposes nothing; verified/step counts the nodes left.", "",
-                  "| tree | draft nodes | threshold | gate | verified/step | tokens/s | tau |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads), each run interleaved with plain "
+                  "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
+                  "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
+                  "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
+                  "are grafted on (greedy); verified/step counts the nodes verified.", "",
+                  "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for c in ts["candidates"]:
             name = c["spec"] if isinstance(c["spec"], str) else f"{c['size']}-node Medusa tree"
             t, nodes = c.get("threshold", 0.0), c.get("nodes_per_step")
-            lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | "
+            speedup = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
+            lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | {c.get('lookup', 0)} | "
                          f"{'-' if nodes is None else f'{nodes:.2f}'} | "
-                         f"{c['tokens_per_s']:.1f} | {c['tau']:.2f} |")
+                         f"{c['tokens_per_s']:.1f} | {speedup} | {c['tau']:.2f} |")
         chosen = extra.get("tree")
         lines.append("")
         lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
-                     f"threshold {extra.get('threshold', 0.0):g}, gate {extra.get('gate', 0.0):g}.")
+                     f"threshold {extra.get('threshold', 0.0):g}, gate {extra.get('gate', 0.0):g}, "
+                     f"lookup {extra.get('lookup', 0)}.")
         lines.append("")
     if dev_eval:
         lines += _eval_section(dev_eval)

@@ -80,7 +80,7 @@ def cmd_generate(args) -> int:
             raise ValueError("--drafter draft-model needs --draft-model PATH (a model directory, .gguf or hub id)")
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
                                               tree=args.tree, dtype=args.dtype, device=args.device,
-                                              threshold=args.threshold, gate=args.gate)
+                                              threshold=args.threshold, gate=args.gate, lookup=args.lookup)
     ids = encode_prompt(sm.tokenizer, args.prompt, chat=args.chat)
     sampling = args.temperature > 0
     gen = torch.Generator(device=sm.backbone.device).manual_seed(args.seed)
@@ -113,6 +113,9 @@ def add_generate(sub) -> None:
     p.add_argument("--gate", default="auto",
                    help="medusa: propose nothing in a step whose tree the heads expect fewer than this many tokens "
                         "accepted from (0 = always propose; auto = as tuned). Output is unchanged")
+    p.add_argument("--lookup", default="auto",
+                   help="medusa, greedy: also propose up to this many tokens copied from where the context's last "
+                        "tokens occurred before (0 = off; auto = as tuned). Output is unchanged")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -137,6 +137,7 @@ def commit(state: DecodeState, draft: Draft, accepted: Accepted) -> list[int]:
     return new
 
 
+@torch.no_grad()   # never records autograd: a recorded graph would chain every step's activations via the cache
 def decode(
     backbone: Backbone,
     drafter: Drafter,

@@ -71,19 +71,21 @@ def _tuned_tree(heads: Heads, fallback):
     return parse_tree(spec, default=fallback) if spec else fallback
 
 
-def _tuned(heads: Heads, value, key: str) -> float:
-    """threshold / gate "auto": the value measured best with the tuned tree (config.extra[key]), else 0 (off)."""
+def _tuned(heads: Heads, value, key: str, kind: type = float):
+    """threshold / gate / lookup "auto": the value measured best with the tuned tree (config.extra[key]), else 0 (off)."""
     if value is None or value == "auto":
-        return float((heads.config.extra or {}).get(key, 0.0))
+        return kind((heads.config.extra or {}).get(key, 0))
     try:
-        return float(value)
+        if kind is int and float(value) != int(float(value)):
+            raise ValueError
+        return kind(float(value))
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be 'auto' or a number (got {value!r})") from None
+        raise ValueError(f"{key} must be 'auto' or a {'whole ' if kind is int else ''}number (got {value!r})") from None
 
 
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, tree, name: str,
-                 draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto"):
+                 draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -99,7 +101,8 @@ class SelfSpeculativeModel:
             fallback = tuple(p for p in MEDUSA_DEFAULT if len(p) <= heads.config.num_heads)
             default = _tuned_tree(heads, fallback)
             self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device),
-                                         threshold=_tuned(heads, threshold, "threshold"), gate=_tuned(heads, gate, "gate"))
+                                         threshold=_tuned(heads, threshold, "threshold"), gate=_tuned(heads, gate, "gate"),
+                                         lookup=_tuned(heads, lookup, "lookup", int))
         elif drafter_name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
                 raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
@@ -115,7 +118,7 @@ class SelfSpeculativeModel:
     @classmethod
     def from_pretrained(cls, name_or_path, drafter: str = "medusa", heads=None, exit_layer: int | None = None,
                         draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS,
-                        threshold="auto", gate="auto"):
+                        threshold="auto", gate="auto", lookup="auto"):
         """Load a target model and attach a drafter.
 
         heads: a heads directory (from ``selfspec train-heads``) for ``medusa`` / ``early-exit``; None gives
@@ -125,13 +128,17 @@ class SelfSpeculativeModel:
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
         the value ``selfspec tune-tree`` measured fastest, 0 for heads never tuned). gate: medusa only; a step
         whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;
-        "auto" as for threshold). Output is unchanged either way.
+        "auto" as for threshold). lookup: medusa only; each greedy step also proposes up to this many tokens
+        copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
+        Output is unchanged either way.
         """
         check_drafter_name(drafter)
         if drafter not in ("medusa", "early-exit") and threshold not in ("auto", None, 0, 0.0):
             raise ValueError(f"threshold applies to the medusa and early-exit drafters, not {drafter!r}")
         if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
             raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
+        if drafter != "medusa" and lookup not in ("auto", None, 0):
+            raise ValueError(f"lookup applies to the medusa drafter only, not {drafter!r}")
         dtype, device = resolve_dtype(dtype), resolve_device(device)
         loaded = load_model(name_or_path, dtype=dtype, device=device)
         model = loaded.model
@@ -158,7 +165,7 @@ class SelfSpeculativeModel:
         elif heads is not None or draft_model is not None:
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
-                   draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate)
+                   draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup)
 
     @staticmethod
     def _apply_lora(model, heads_dir: Path, config: HeadsConfig) -> None:

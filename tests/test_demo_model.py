@@ -1,6 +1,7 @@
 """Greedy exactness on the REAL demo model (SmolLM2-135M-Instruct), against transformers' generate.
 
-Untrained heads: acceptance is low, but the output must still be identical token for token.
+Untrained heads: acceptance is low, but the output must still be identical token for token. The
+shipped trained heads, with their tuned settings (tree, cuts, context lookup), must be too.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.cli import encode_prompt
+from selfspec.backbone import config_fingerprint
+from selfspec.cli import encode_prompt, shipped_heads
+from selfspec.heads import load_heads
 from selfspec.drafters.draft_model import truncated_copy
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 
@@ -45,6 +48,24 @@ def test_demo_greedy_identical_to_transformers(demo, references, drafter):
         stats = sm.last_stats
         assert stats.new_tokens == ref.shape[1] - ids.shape[1]
         assert stats.tau >= 1.0
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "early-exit"])
+def test_demo_shipped_heads_identical_to_transformers(demo, references, drafter):
+    path = shipped_heads("smollm2-135m", drafter)
+    assert path is not None, f"no shipped {drafter} heads in checkpoints/"
+    p = demo.model.get_output_embeddings().weight
+    heads = load_heads(path, expect_kind=drafter, fingerprint=config_fingerprint(demo.model.config), device=p.device,
+                       dtype=p.dtype, model=demo.model)
+    sm = SelfSpeculativeModel(demo.model, demo.tokenizer, drafter_name=drafter, heads=heads, tree="auto",
+                              name=demo.name)
+    taus = []
+    for ids, ref in references:
+        out = sm.generate(ids, max_new_tokens=N_NEW, do_sample=False)
+        assert out.shape == ref.shape and torch.equal(out, ref), f"shipped {drafter} heads diverged from transformers"
+        taus.append(sm.last_stats.tau)
+    # Trained heads get drafts accepted (the tuned exit threshold proposes only confident ones, so fewer).
+    assert sum(taus) / len(taus) > (1.2 if drafter == "medusa" else 1.02)
 
 
 def test_demo_loading_is_cached_and_fast(demo):

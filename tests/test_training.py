@@ -262,18 +262,23 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     assert len(acc) == 3 and all(len(a) == 4 for a in acc)
     assert all(0 <= sum(a) <= 1 + 1e-6 for a in acc)
     best, cands, _ = tune_tree(model, heads, seqs, n_prompts=2, max_new_tokens=8, repeats=1, progress=False)
-    assert best == max(cands, key=lambda c: c.tokens_per_s) and all(c.tau >= 1.0 for c in cands)
-    assert {c.gate for c in cands} > {0.0}   # gated candidates were timed too
-    for c in cands:   # cutting only ever verifies fewer nodes than the tree has
-        assert 0 <= c.nodes_per_step <= c.size and (c.gate > 0 or c.nodes_per_step == c.size)
+    assert best == max(cands, key=lambda c: c.speedup) and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
+    assert {c.gate for c in cands} > {0.0} and {c.lookup for c in cands} > {0}   # gated and lookup ones timed too
+    for c in cands:   # cutting only ever verifies fewer nodes than the tree has; lookup only ever adds some
+        if c.lookup:
+            assert c.nodes_per_step >= (0 if c.gate else c.size)
+        else:
+            assert 0 <= c.nodes_per_step <= c.size and (c.gate > 0 or c.nodes_per_step == c.size)
     heads.config.extra["tree"] = [list(p) for p in best.spec]
     heads.config.extra["threshold"] = best.threshold
     heads.config.extra["gate"] = best.gate
+    heads.config.extra["lookup"] = best.lookup
     save_heads(heads, cfg.out)
     tuned = load_heads(cfg.out, expect_kind="medusa", fingerprint=fp)
     sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, tree="auto", name="tiny")
     assert sm.drafter.tree.paths == tuple(tuple(p) for p in best.spec)
     assert sm.drafter.threshold == best.threshold and sm.drafter.gate == best.gate
+    assert sm.drafter.lookup == best.lookup
     prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
     assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
 

@@ -28,6 +28,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--medusa-threshold", default="auto", help="draft path probability below which nodes are not proposed")
     p.add_argument("--exit-threshold", default="auto", help="likewise for early exit (0 = never prune)")
     p.add_argument("--medusa-gate", default="auto", help="expected accepted tokens below which a Medusa step proposes nothing")
+    p.add_argument("--medusa-lookup", default="auto",
+                   help="context tokens a greedy Medusa step may also propose (prompt lookup; 0 = off, auto = as tuned)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -69,7 +71,8 @@ def run_bench_cli(args) -> int:
                                        temperature=args.temperature, medusa_heads=medusa, exit_heads=exits,
                                        draft_model=draft, medusa_tree=args.medusa_tree, exit_tree=args.exit_tree,
                                        draft_tree=args.draft_tree, medusa_threshold=args.medusa_threshold,
-                                       exit_threshold=args.exit_threshold, medusa_gate=args.medusa_gate)
+                                       exit_threshold=args.exit_threshold, medusa_gate=args.medusa_gate,
+                                       medusa_lookup=args.medusa_lookup)
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     results = run_bench(methods, prompts, lambda text: encode_prompt(loaded.tokenizer, text, chat=chat),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

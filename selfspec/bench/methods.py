@@ -40,6 +40,7 @@ def build_methods(
     medusa_threshold="auto",
     exit_threshold="auto",
     medusa_gate="auto",
+    medusa_lookup="auto",
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft each method used."""
     sampling = temperature > 0
@@ -103,11 +104,12 @@ def build_methods(
             sm = spec(kind, heads=heads_for(kind, medusa_heads if medusa else exit_heads),
                       tree=medusa_tree if medusa else exit_tree,
                       threshold=medusa_threshold if medusa else exit_threshold,
-                      gate=medusa_gate if medusa else "auto")
+                      gate=medusa_gate if medusa else "auto", lookup=medusa_lookup if medusa else "auto")
             notes[f"{kind}_tree"] = [list(p) for p in sm.drafter.tree.paths]
             notes[f"{kind}_threshold"] = sm.drafter.threshold
             if medusa:
                 notes["medusa_gate"] = sm.drafter.gate
+                notes["medusa_lookup"] = sm.drafter.lookup
             fn = ours(sm)
         else:
             fn = ours(spec("draft-model", heads=None, tree=draft_tree, draft_model=draft_model))

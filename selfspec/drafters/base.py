@@ -125,6 +125,12 @@ def check_gate(gate: float) -> float:
     return gate
 
 
+def check_lookup(lookup: int) -> int:
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+        raise ValueError(f"lookup must be a whole number >= 0 (got {lookup!r}): the most context tokens grafted per step, 0 = off")
+    return lookup
+
+
 def pruned(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -> Tree:
     """``tree`` cut where the draft is unsure (``tree.prune``: node threshold, then whole-tree gate).
 

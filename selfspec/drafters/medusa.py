@@ -5,7 +5,8 @@ previous verification (or prefill), and head d's top candidates fill depth d of 
 With ``threshold`` > 0 the tree is cut each step to the nodes the heads give at least that path
 probability; with ``gate`` > 0 a step whose tree the heads expect to get fewer than ``gate``
 tokens accepted proposes nothing and costs one plain step (``tree.prune``). Both read only the
-heads' distributions (see ``row_candidates``), so sampling stays exact.
+heads' distributions (see ``row_candidates``), so sampling stays exact. With ``lookup`` = k > 0,
+greedy steps also graft up to k tokens copied from the context onto the tree (``lookup.py``).
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import torch
 
 from ..backbone import Backbone
 from ..heads import Heads
-from ..tree import Tree
+from ..tree import Tree, build_tree
 from ..verify import Accepted
-from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_threshold, draft_head, layout, pruned,
-                   row_candidates, tree_width)
+from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_lookup, check_threshold, draft_head, layout,
+                   pruned, row_candidates, tree_width)
+from .lookup import context_continuation, graft
 
 
 class MedusaDrafter(Drafter):
     name = "medusa"
 
-    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree, threshold: float = 0.0, gate: float = 0.0):
+    def __init__(self, backbone: Backbone, heads: Heads, tree: Tree, threshold: float = 0.0, gate: float = 0.0,
+                 lookup: int = 0):
         k = heads.config.num_heads
         if tree.depth > k:
             raise ValueError(f"tree depth {tree.depth} exceeds the {k} Medusa heads: use a tree of depth <= {k}")
@@ -32,6 +35,7 @@ class MedusaDrafter(Drafter):
         self.tree = tree
         self.threshold = check_threshold(threshold)
         self.gate = check_gate(gate)
+        self.lookup = check_lookup(lookup)
         self.vocab = heads.draft_vocab
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.hidden: torch.Tensor | None = None          # (H,) that produced the pending token
@@ -51,7 +55,14 @@ class MedusaDrafter(Drafter):
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
-        return Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q)
+        tokens = layout(tree, state.ids[-1], cand.tokens)
+        if self.lookup and not state.params.do_sample:
+            copied = context_continuation(state.ids, self.lookup)
+            if copied:
+                paths, merged = graft(tree.paths, tokens.tolist(), copied)
+                tree = build_tree(paths, str(tokens.device))
+                tokens = torch.tensor(merged, device=tokens.device)
+        return Draft(tree=tree, tokens=tokens, q=cand.q)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         self.hidden = out.hidden[accepted.path[-1]]

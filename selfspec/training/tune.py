@@ -2,12 +2,14 @@
 
 Medusa: measure each head's rank accuracy (how often the target's token is its rank-r
 candidate), grow best-first trees of several sizes from it (``tree.tree_from_rank_accuracy``),
-then time real greedy decoding with each and keep the fastest. Early exit: time chain lengths.
+then time real greedy decoding with each, interleaved prompt by prompt with plain decoding, and
+keep the one with the highest median speedup over it. Early exit: time chain lengths.
 Some trees are also timed cut by confidence (``tree.prune``): early exit with a node threshold
 (the chain stops where its draft path probability falls below it), Medusa with a gate (a step
-whose tree the heads expect fewer than ``gate`` tokens accepted from proposes nothing). The
-winner goes into the heads' ``config.extra`` ``tree`` / ``threshold`` / ``gate``, which the
-"auto" settings use.
+whose tree the heads expect fewer than ``gate`` tokens accepted from proposes nothing), and
+Medusa trees with context lookup (``lookup``: tokens copied from the context grafted on). The
+winner goes into the heads' ``config.extra`` ``tree`` / ``threshold`` / ``gate`` / ``lookup``,
+which the "auto" settings use.
 
 Held-out prompts are the training run's own eval split (same data directory, seed and
 fraction as recorded in the heads), so nothing is tuned on the evaluation prompts.
@@ -26,20 +28,21 @@ from tqdm.auto import tqdm
 
 from ..backbone import Backbone, config_fingerprint
 from ..decode import decode
-from ..drafters import EarlyExitDrafter, MedusaDrafter
+from ..drafters import EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..heads import Heads, load_heads, save_heads
 from ..sampling import SamplingParams
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .losses import to_subset_ids
 from .train import Sequence, recorded_split
 
-MEDUSA_SIZES = (2, 3, 4, 6, 8, 12, 16)  # nodes; on a CPU every verified token costs, so small trees often win
+MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
 # Also timed cut by confidence (all of the above are timed uncut). On the 2-core dev CPU, verifying
-# any 1-7 draft nodes costs ~1.7-1.9 plain steps: a Medusa step pays off only if it expects most of
-# a token accepted (gate), and an exit chain node, half a step to draft, only when it is likely.
-MEDUSA_GATED_SIZES = (4, 8)
-MEDUSA_GATES = (0.3, 0.5, 0.8)
+# any 1-15 draft nodes costs ~1.4-1.9 plain steps (it varies from day to day): a Medusa step pays off only if it
+# expects most of a token accepted (gate), and an exit chain node, half a step to draft, only when it is likely.
+MEDUSA_GATED = ((4, 0.5), (4, 0.8), (8, 0.5), (8, 0.8))          # (nodes, gate)
+# And with context lookup (drafters/lookup.py): (nodes, gate, most tokens copied per step).
+MEDUSA_LOOKUP = ((4, 0.0, 4), (4, 0.0, 8), (8, 0.0, 4), (8, 0.0, 8), (4, 0.8, 8), (8, 0.5, 8))
 EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 
@@ -52,7 +55,9 @@ class Candidate:
     tau: float
     threshold: float = 0.0
     gate: float = 0.0
+    lookup: int = 0
     nodes_per_step: float = 0.0   # draft nodes actually verified per step, after pruning
+    speedup: float = 0.0          # median per-prompt tokens/s over plain decoding's, same round
 
 
 def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
@@ -99,54 +104,69 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
-def _time(bb: Backbone, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float, float]:
-    """(tokens/s, tau, draft nodes verified per step) of greedy decoding over ``prompts``."""
-    toks, wall, steps, committed, drafted = 0, 0.0, 0, 0, 0
-    for p in prompts:
-        new, st = decode(bb, drafter, p.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
-                         eos_token_ids=set(), generator=None)
-        toks, wall = toks + len(new), wall + st.wall_s
-        steps += st.steps
-        drafted += st.drafted
-        committed += sum((a + 1) * n for a, n in enumerate(st.accepted_hist))
-    return toks / wall, committed / max(steps, 1), drafted / max(steps, 1)
+def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int) -> tuple[int, float, int, int, int]:
+    """Greedy-decode one prompt: (tokens, wall seconds, steps, tokens committed, draft nodes verified)."""
+    new, st = decode(bb, drafter, prompt.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
+                     eos_token_ids=set(), generator=None)
+    return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
               repeats: int = 2, progress: bool = True, prune: bool = True) -> tuple[Candidate, list[Candidate], list | None]:
-    """Time every candidate (tree, threshold) (interleaved, ``repeats`` rounds, median); return (best, all, acc)."""
+    """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
+
+    Timing follows the bench's protocol at a finer grain: for each prompt, plain decoding and every
+    candidate run back to back in an order rotated from prompt to prompt, so machine drift hits
+    them alike. A candidate's ``speedup`` is the median over (prompt, round) of its tokens/s over
+    plain decoding's on the same prompt in the same round; the best candidate has the highest.
+    """
     bb = Backbone(model)
     prompts = [s.ids[: s.response_start] for s in seqs[:n_prompts]]
     acc = None
     if heads.config.kind == "medusa":
         acc = medusa_rank_accuracy(model, heads, seqs[: max(n_prompts * 4, 32)])
         acc_t = tuple(tuple(a) for a in acc)
-        # (tree, threshold, gate)
-        grid = [(tree_from_rank_accuracy(acc_t, n), 0.0, 0.0) for n in MEDUSA_SIZES]
-        grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g) for n in MEDUSA_GATED_SIZES for g in MEDUSA_GATES] if prune else []
-        make = lambda spec, t, g: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t, gate=g)  # noqa: E731
+        # (tree, threshold, gate, lookup)
+        grid = [(tree_from_rank_accuracy(acc_t, n), 0.0, 0.0, 0) for n in MEDUSA_SIZES]
+        grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g, 0) for n, g in MEDUSA_GATED] if prune else []
+        grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g, k) for n, g, k in MEDUSA_LOOKUP if prune or g == 0]
+        make = lambda spec, t, g, k: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t, gate=g,  # noqa: E731
+                                                   lookup=k)
     else:
-        grid = [(spec, 0.0, 0.0) for spec in EXIT_TREES]
-        grid += [(spec, t, 0.0) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
-        make = lambda spec, t, g: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
-                                                   threshold=t)
-    for cand in grid:  # warm-up, and the LM-head projection times its layouts for each tree size here
-        _time(bb, make(*cand), prompts[:1], 4)
-    runs: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(grid))}
-    bar = tqdm(total=repeats * len(grid), desc="tune-tree", disable=not progress)
-    for rep in range(repeats):
-        order = list(range(len(grid)))
-        order = order[rep % len(order):] + order[: rep % len(order)]  # rotate: drift hits all alike
-        for i in order:
-            runs[i].append(_time(bb, make(*grid[i]), prompts, max_new_tokens))
-            bar.update(1)
+        grid = [(spec, 0.0, 0.0, 0) for spec in EXIT_TREES]
+        grid += [(spec, t, 0.0, 0) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
+        make = lambda spec, t, g, k: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
+                                                      threshold=t)
+    drafters = [NoDrafter(bb.device)] + [make(*cand) for cand in grid]   # index 0: the plain reference
+    for d in drafters:  # warm-up, and the LM-head projection times its layouts for each tree size here
+        _run(bb, d, prompts[0], 4)
+    runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
+    ratios: list[list[float]] = [[] for _ in drafters]
+    bar = tqdm(total=repeats * len(prompts) * len(drafters), desc="tune-tree", disable=not progress)
+    turn = 0
+    for _ in range(repeats):
+        for prompt in prompts:
+            order = list(range(len(drafters)))
+            order = order[turn % len(order):] + order[: turn % len(order)]  # rotate: drift hits all alike
+            turn += 1
+            here = {}
+            for i in order:
+                here[i] = _run(bb, drafters[i], prompt, max_new_tokens)
+                runs[i].append(here[i])
+                bar.update(1)
+            plain = here[0][0] / here[0][1]
+            for i, r in here.items():
+                ratios[i].append(r[0] / r[1] / plain)
     bar.close()
-    cands = [Candidate(spec=spec, size=build_tree(parse_tree(spec, default=())).size - 1, threshold=t, gate=g,
-                       tokens_per_s=statistics.median(r[0] for r in runs[i]),
-                       tau=statistics.median(r[1] for r in runs[i]),
-                       nodes_per_step=statistics.median(r[2] for r in runs[i]))
-             for i, (spec, t, g) in enumerate(grid)]
-    best = max(cands, key=lambda c: c.tokens_per_s)
+
+    def total(i: int, k: int) -> float:
+        return sum(r[k] for r in runs[i])
+
+    cands = [Candidate(spec=spec, size=build_tree(parse_tree(spec, default=())).size - 1, threshold=t, gate=g, lookup=k,
+                       tokens_per_s=total(i, 0) / total(i, 1), tau=total(i, 3) / max(total(i, 2), 1),
+                       nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]))
+             for i, (spec, t, g, k) in enumerate(grid, start=1)]
+    best = max(cands, key=lambda c: c.speedup)
     return best, cands, acc
 
 
@@ -179,12 +199,13 @@ def run_tune(args) -> int:
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune)
     for c in cands:
-        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  {c.nodes_per_step:5.2f} verified/step  "
-              f"{c.tokens_per_s:6.1f} tok/s  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
+        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  lookup {c.lookup}  {c.nodes_per_step:5.2f} verified/step  "
+              f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
     heads.config.extra = dict(heads.config.extra or {})
     heads.config.extra["tree"] = best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec]
     heads.config.extra["threshold"] = best.threshold
     heads.config.extra["gate"] = best.gate
+    heads.config.extra["lookup"] = best.lookup
     heads.config.extra["tree_search"] = {
         "held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(), "rank_accuracy": acc,
@@ -193,5 +214,6 @@ def run_tune(args) -> int:
     }
     save_heads(heads, args.heads)
     shape = best.spec if isinstance(best.spec, str) else f"{len(best.spec)}-node tree"
-    print(f"tree=auto for {args.heads} is now the {shape}, threshold=auto {best.threshold}, gate=auto {best.gate}")
+    print(f"tree=auto for {args.heads} is now the {shape}, threshold=auto {best.threshold}, gate=auto {best.gate}, "
+          f"lookup=auto {best.lookup}")
     return 0

@@ -1,0 +1,73 @@
+"""Context lookup: candidates copied from the text so far, grafted onto a draft tree.
+
+Generated text often repeats its context: code reuses the names in a signature and docstring,
+edits and summaries copy phrases of their input. When the last few tokens occurred earlier,
+the tokens that followed them then are a free guess at what follows now (prompt lookup
+decoding, Saxena 2023). ``MedusaDrafter(lookup=k)`` grafts such a chain of up to k tokens onto
+its tree each greedy step: where the chain agrees with the heads' candidates it follows their
+nodes, and from its first disagreement on it adds nodes of its own. It costs no model call;
+the verifier pays for the extra nodes only on steps that found a match. Acceptance is
+unchanged, so the output is still exactly plain greedy decoding's.
+
+Greedy only: a copied token is not a draw from a distribution, so it has no q for the
+sampling rule; sampled decoding drafts from the heads alone.
+
+Both functions are pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..tree import Path
+
+MAX_NGRAM = 3   # longest suffix looked up first, down to
+MIN_NGRAM = 2   # a single repeated token is too weak a cue: most of its continuations are wrong
+
+
+def context_continuation(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
+    ``ids`` (``max_ngram`` tokens, down to ``min_ngram``) that occurred before; [] if none did."""
+    if k <= 0 or min_ngram < 1 or max_ngram < min_ngram:
+        raise ValueError(f"need k >= 1 and 1 <= min_ngram <= max_ngram (got k={k}, {min_ngram}..{max_ngram})")
+    ids = list(ids)
+    end = len(ids)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if end <= n:
+            continue
+        suffix, first = ids[end - n:], ids[end - n]
+        for j in range(end - n - 1, -1, -1):     # latest first; the suffix itself (j = end - n) excluded
+            if ids[j] == first and ids[j:j + n] == suffix:
+                return ids[j + n: j + n + k]
+    return []
+
+
+def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) -> tuple[tuple[Path, ...], list[int]]:
+    """Merge ``chain`` (tokens to follow the root) into a tree given as paths and node tokens.
+
+    tokens[i] is node i's token (node 0 the root, node i >= 1 the one at paths[i - 1]). The chain
+    walks down from the root through nodes holding its tokens; at its first token no child holds,
+    it branches off with a new child (rank one past its siblings') and continues as a chain of new
+    nodes. New nodes come after the tree's own, so parents still precede children. Returns
+    (paths, tokens) of the merged tree; the original nodes keep their ids.
+    """
+    paths, tokens = list(paths), list(tokens)
+    if len(tokens) != len(paths) + 1:
+        raise ValueError(f"{len(paths)} paths need {len(paths) + 1} node tokens (root first), got {len(tokens)}")
+    children: dict[Path, dict[int, Path]] = {(): {}}   # path -> {token: child path}
+    next_rank: dict[Path, int] = {(): 0}
+    for p, t in zip(paths, tokens[1:]):
+        children.setdefault(p[:-1], {}).setdefault(t, p)
+        children.setdefault(p, {})
+        next_rank[p[:-1]] = max(next_rank.get(p[:-1], 0), p[-1] + 1)
+    at: Path = ()
+    for t in chain:
+        known = children.get(at, {}).get(t)
+        if known is None:
+            known = at + (next_rank.get(at, 0),)
+            next_rank[at] = known[-1] + 1
+            children.setdefault(at, {})[t] = known
+            paths.append(known)
+            tokens.append(int(t))
+        at = known
+    return tuple(paths), tokens

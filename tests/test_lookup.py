@@ -1,0 +1,100 @@
+"""Context lookup (drafters/lookup.py): the n-gram search and the graft are pure; the output stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_model
+from selfspec.backbone import Backbone
+from selfspec.decode import decode
+from selfspec.drafters import MedusaDrafter
+from selfspec.drafters.lookup import context_continuation, graft
+from selfspec.model import untrained_heads
+from selfspec.sampling import SamplingParams
+from selfspec.tree import build_tree
+
+
+def test_continuation_follows_the_longest_then_latest_earlier_match():
+    assert context_continuation([1, 2, 3, 9, 8, 1, 2, 3], 2) == [9, 8]
+    # Trigram [9, 5, 6] never occurred before; bigram [5, 6] did, latest at index 3.
+    assert context_continuation([5, 6, 7, 5, 6, 8, 4, 9, 5, 6], 3) == [8, 4, 9]
+    # The longer n-gram wins over a later shorter one: [1, 2, 3] at 0 beats [2, 3] at 5.
+    assert context_continuation([1, 2, 3, 4, 0, 2, 3, 5, 1, 2, 3], 1) == [4]
+    # A match near the end gives fewer than k tokens (here it overlaps the suffix: a loop).
+    assert context_continuation([1, 2, 1, 2], 4) == [1, 2]
+
+
+def test_continuation_needs_a_repeated_ngram_of_min_length():
+    assert context_continuation([4, 1, 4], 3) == []                  # one repeated token is not enough
+    assert context_continuation([4, 1, 4], 3, min_ngram=1) == [1, 4]
+    assert context_continuation([1, 2, 3], 3) == []
+    assert context_continuation([], 3) == []
+    with pytest.raises(ValueError, match="k >= 1"):
+        context_continuation([1, 2], 0)
+    with pytest.raises(ValueError, match="min_ngram"):
+        context_continuation([1, 2], 2, min_ngram=3, max_ngram=2)
+
+
+def test_graft_follows_matching_nodes_then_branches_off():
+    paths = ((0,), (1,), (0, 0))
+    tokens = [100, 10, 11, 12]                  # root, (0,)=10, (1,)=11, (0, 0)=12
+    # Agrees with (0,) and (0, 0), then goes on below them.
+    assert graft(paths, tokens, [10, 12, 13]) == (paths + ((0, 0, 0),), tokens + [13])
+    # Disagrees at depth 2: a new sibling of (0, 0), then a chain under it.
+    assert graft(paths, tokens, [10, 20, 21]) == (paths + ((0, 1), (0, 1, 0)), tokens + [20, 21])
+    # Disagrees at once: a third child of the root.
+    assert graft(paths, tokens, [30, 31]) == (paths + ((2,), (2, 0)), tokens + [30, 31])
+    # Nothing new to add.
+    assert graft(paths, tokens, [11]) == (paths, tokens)
+    # An empty tree becomes the chain itself; the result is a valid tree.
+    merged, toks = graft((), [100], [7, 8, 9])
+    assert merged == ((0,), (0, 0), (0, 0, 0)) and toks == [100, 7, 8, 9]
+    tree = build_tree(graft(paths, tokens, [10, 20, 21])[0])
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
+    with pytest.raises(ValueError, match="node tokens"):
+        graft(paths, tokens[:-1], [1])
+
+
+def test_graft_ranks_past_a_pruned_sibling():
+    # A cut tree may keep rank 2 without rank 1 under a node: the new branch must not reuse a rank.
+    paths = ((0,), (2,))
+    merged, _ = graft(paths, [100, 10, 12], [40])
+    assert merged == ((0,), (2,), (3,))
+
+
+def test_medusa_with_lookup_is_exact_and_uses_the_copied_tokens():
+    """A random tiny model's greedy output falls into loops, which lookup predicts: many more tokens
+    per step than the (untrained) heads alone, and still token for token plain greedy."""
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("medusa", model, "t")
+    tree = build_tree(((0,), (1,), (0, 0)))
+    g = torch.Generator().manual_seed(5)
+    taus = {}
+    for lookup in (0, 6):
+        for seed in range(3):
+            ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
+            ref = hf_greedy(model, ids, 60)[0, ids.shape[1]:].tolist()
+            new, stats = decode(bb, MedusaDrafter(bb, heads, tree, lookup=lookup), ids[0], params=SamplingParams(),
+                                max_new_tokens=60, eos_token_ids=set(), generator=g)
+            assert new == ref
+            taus.setdefault(lookup, []).append(stats.tau)
+    assert sum(taus[6]) > sum(taus[0]) + 1.0
+    assert max(taus[6]) > 2.0
+
+
+def test_lookup_is_off_when_sampling_and_validated():
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("medusa", model, "t")
+    tree = build_tree(((0,),))
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    params = SamplingParams(do_sample=True, temperature=1.0)
+    drafter = MedusaDrafter(bb, heads, tree, lookup=4)
+    _, stats = decode(bb, drafter, ids[0], params=params, max_new_tokens=20, eos_token_ids=set(),
+                      generator=torch.Generator().manual_seed(0))
+    assert stats.drafted == stats.steps * 1      # the heads' one node per step, never a copied chain
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="lookup must be"):
+            MedusaDrafter(bb, heads, tree, lookup=bad)
