@@ -19,7 +19,8 @@ import torch
 
 from .backbone import Backbone, config_fingerprint
 from .decode import DecodeStats, decode
-from .drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter, check_drafter_name
+from .drafters import DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter, check_drafter_name
+from .drafters.lookup import DEFAULT_LOOKUP
 from .heads import Heads, HeadsConfig, build_heads, load_heads, save_heads
 from .loading import load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
@@ -75,12 +76,23 @@ def _tuned(heads: Heads, value, key: str, kind: type = float):
     """threshold / gate / lookup "auto": the value measured best with the tuned tree (config.extra[key]), else 0 (off)."""
     if value is None or value == "auto":
         return kind((heads.config.extra or {}).get(key, 0))
+    return _whole(value, key) if kind is int else _number(value, key)
+
+
+def _number(value, key: str) -> float:
     try:
-        if kind is int and float(value) != int(float(value)):
-            raise ValueError
-        return kind(float(value))
+        return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be 'auto' or a {'whole ' if kind is int else ''}number (got {value!r})") from None
+        raise ValueError(f"{key} must be 'auto' or a number (got {value!r})") from None
+
+
+def _whole(value, key: str) -> int:
+    try:
+        if float(value) != int(float(value)):
+            raise ValueError
+        return int(float(value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be 'auto' or a whole number (got {value!r})") from None
 
 
 class SelfSpeculativeModel:
@@ -96,6 +108,9 @@ class SelfSpeculativeModel:
         device = str(self.backbone.device)
         if drafter_name == "none":
             self.drafter = NoDrafter(self.backbone.device)
+        elif drafter_name == "lookup":
+            k = DEFAULT_LOOKUP if lookup in ("auto", None) else _whole(lookup, "lookup")
+            self.drafter = LookupDrafter(self.backbone.device, lookup=k)
         elif drafter_name == "medusa":
             # The default tree, cut to the depth these heads can fill.
             fallback = tuple(p for p in MEDUSA_DEFAULT if len(p) <= heads.config.num_heads)
@@ -128,17 +143,17 @@ class SelfSpeculativeModel:
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
         the value ``selfspec tune-tree`` measured fastest, 0 for heads never tuned). gate: medusa only; a step
         whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;
-        "auto" as for threshold). lookup: medusa only; each greedy step also proposes up to this many tokens
+        "auto" as for threshold). lookup: medusa; each greedy step also proposes up to this many tokens
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
-        Output is unchanged either way.
+        drafter="lookup" drafts only such copies (no heads; "auto" = 8). Output is unchanged either way.
         """
         check_drafter_name(drafter)
         if drafter not in ("medusa", "early-exit") and threshold not in ("auto", None, 0, 0.0):
             raise ValueError(f"threshold applies to the medusa and early-exit drafters, not {drafter!r}")
         if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
             raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
-        if drafter != "medusa" and lookup not in ("auto", None, 0):
-            raise ValueError(f"lookup applies to the medusa drafter only, not {drafter!r}")
+        if drafter not in ("medusa", "lookup") and lookup not in ("auto", None, 0):
+            raise ValueError(f"lookup applies to the medusa and lookup drafters only, not {drafter!r}")
         dtype, device = resolve_dtype(dtype), resolve_device(device)
         loaded = load_model(name_or_path, dtype=dtype, device=device)
         model = loaded.model

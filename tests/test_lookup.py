@@ -8,9 +8,9 @@ import torch
 from conftest import hf_greedy, tiny_model
 from selfspec.backbone import Backbone
 from selfspec.decode import decode
-from selfspec.drafters import MedusaDrafter
+from selfspec.drafters import LookupDrafter, MedusaDrafter
 from selfspec.drafters.lookup import context_continuation, graft
-from selfspec.model import untrained_heads
+from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.sampling import SamplingParams
 from selfspec.tree import build_tree
 
@@ -98,3 +98,24 @@ def test_lookup_is_off_when_sampling_and_validated():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="lookup must be"):
             MedusaDrafter(bb, heads, tree, lookup=bad)
+
+
+def test_lookup_drafter_alone_is_exact_and_drafts_nothing_when_sampling():
+    model = tiny_model("qwen2")
+    bb = Backbone(model)
+    for seed in range(3):
+        ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
+        ref = hf_greedy(model, ids, 60)[0, ids.shape[1]:].tolist()
+        new, stats = decode(bb, LookupDrafter(bb.device, lookup=5), ids[0], params=SamplingParams(), max_new_tokens=60,
+                            eos_token_ids=set(), generator=None)
+        assert new == ref and stats.drafted > 0
+    _, stats = decode(bb, LookupDrafter(bb.device), torch.tensor([5, 6, 7, 5, 6, 7, 5, 6]),
+                      params=SamplingParams(do_sample=True, temperature=1.0), max_new_tokens=20, eos_token_ids=set(),
+                      generator=torch.Generator().manual_seed(0))
+    assert stats.drafted == 0
+    sm = SelfSpeculativeModel(model, None, drafter_name="lookup", heads=None, tree="auto", name="tiny", lookup=3)
+    assert sm.drafter.lookup == 3
+    with pytest.raises(ValueError, match="lookup >= 1"):
+        LookupDrafter(bb.device, lookup=0)
+    with pytest.raises(ValueError, match="whole number"):
+        SelfSpeculativeModel(model, None, drafter_name="lookup", heads=None, tree="auto", name="tiny", lookup="x")

@@ -98,6 +98,10 @@ def build_methods(
             fn = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
         elif name == "selfspec-ar":
             fn = ours(spec("none", heads=None, tree="auto"))
+        elif name == "selfspec-lookup":
+            sm = spec("lookup", heads=None, tree="auto")
+            notes["lookup"] = sm.drafter.lookup
+            fn = ours(sm)
         elif name in ("selfspec-medusa", "selfspec-early-exit"):
             kind = name.removeprefix("selfspec-")
             medusa = kind == "medusa"

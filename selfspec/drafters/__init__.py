@@ -8,6 +8,7 @@ from ..tree import Tree, build_tree
 from .base import DecodeState, Draft, Drafter, Resume, TargetOut
 from .draft_model import DraftModelDrafter
 from .early_exit import EarlyExitDrafter
+from .lookup import LookupDrafter
 from .medusa import MedusaDrafter
 
 
@@ -28,6 +29,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "early-exit": EarlyExitDrafter,
     "medusa": MedusaDrafter,
     "draft-model": DraftModelDrafter,
+    "lookup": LookupDrafter,
 }
 
 
@@ -38,4 +40,4 @@ def check_drafter_name(name: str) -> str:
 
 
 __all__ = ["DRAFTERS", "Draft", "DecodeState", "Drafter", "Resume", "TargetOut", "Tree", "check_drafter_name",
-           "DraftModelDrafter", "EarlyExitDrafter", "MedusaDrafter", "NoDrafter"]
+           "DraftModelDrafter", "EarlyExitDrafter", "LookupDrafter", "MedusaDrafter", "NoDrafter"]

@@ -9,20 +9,27 @@ nodes, and from its first disagreement on it adds nodes of its own. It costs no 
 the verifier pays for the extra nodes only on steps that found a match. Acceptance is
 unchanged, so the output is still exactly plain greedy decoding's.
 
-Greedy only: a copied token is not a draw from a distribution, so it has no q for the
-sampling rule; sampled decoding drafts from the heads alone.
+``LookupDrafter`` (drafter ``"lookup"``) drafts such chains alone, with no heads and no
+training: selfspec's own prompt lookup decoding.
 
-Both functions are pure.
+Greedy only: a copied token is not a draw from a distribution, so it has no q for the
+sampling rule; sampled decoding drafts from the heads alone (the lookup drafter: nothing).
+
+``context_continuation`` and ``graft`` are pure functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..tree import Path
+import torch
+
+from ..tree import Path, build_tree
+from .base import DecodeState, Draft, Drafter, check_lookup
 
 MAX_NGRAM = 3   # longest suffix looked up first, down to
 MIN_NGRAM = 2   # a single repeated token is too weak a cue: most of its continuations are wrong
+DEFAULT_LOOKUP = 8   # tokens copied per step when nothing was tuned (tune-tree chose 8 for the demo's heads)
 
 
 def context_continuation(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
@@ -71,3 +78,22 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
             tokens.append(int(t))
         at = known
     return tuple(paths), tokens
+
+
+class LookupDrafter(Drafter):
+    """Proposes only the context's continuation (up to ``lookup`` tokens) as a chain; greedy only."""
+
+    name = "lookup"
+
+    def __init__(self, device: torch.device, lookup: int = DEFAULT_LOOKUP):
+        if check_lookup(lookup) < 1:
+            raise ValueError("the lookup drafter needs lookup >= 1 (the most context tokens it copies per step)")
+        self.lookup = lookup
+        self.device = str(device)
+        self.tree = build_tree((), self.device)
+
+    def draft(self, state: DecodeState) -> Draft:
+        root = state.ids[-1]
+        copied = [] if state.params.do_sample else context_continuation(state.ids, self.lookup)
+        paths, tokens = graft((), [root], copied)
+        return Draft(tree=build_tree(paths, self.device), tokens=torch.tensor(tokens, device=self.device))
