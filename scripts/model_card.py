@@ -34,6 +34,14 @@ def _bench_section(bench: dict, method: str) -> list[str]:
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
             f"(median per prompt {m['speedup_median']:.2f}x)",
             f"- identical to transformers greedy: {m['identical']}"]
+    kind = method.removeprefix("selfspec-")
+    used = {k.removeprefix(f"{kind}_"): v for k, v in (c.get("heads") or {}).items() if k.startswith(f"{kind}_")}
+    if used:
+        lines.append("- settings used: " + ", ".join(f"{k} {v}" for k, v in used.items()))
+    look = bench["methods"].get("selfspec-lookup")
+    if look and used.get("lookup"):
+        lines.append(f"- the context lookup alone (`selfspec-lookup`, no heads) in the same run: {look['speedup']:.2f}x, "
+                     f"tau {look['tau']:.2f}")
     ar = bench["methods"].get("selfspec-ar")
     if ar and method != "selfspec-ar":
         lines.append(f"- selfspec with no drafter (`selfspec-ar`) in the same run: {ar['speedup']:.2f}x, so the "
