@@ -38,7 +38,7 @@ demo: install $(DRAFT)
 	@echo; echo "=== two-model: draft $(DRAFT) ==="; $(GEN) --drafter draft-model --draft-model $(DRAFT)
 	@echo; echo "=== short bench: 5 prompts, 64 new tokens, against transformers' greedy generate ==="
 	$(BIN)/selfspec bench --model smollm2-135m --prompts scripts/demo_prompts.jsonl --max-new-tokens 64 \
-		--methods hf-greedy,selfspec-ar,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
+		--methods hf-greedy,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
 		--draft-model $(DRAFT) --out bench-out/demo
 
 test: install
