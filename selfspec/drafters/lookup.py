@@ -15,7 +15,8 @@ training: selfspec's own prompt lookup decoding.
 Greedy only: a copied token is not a draw from a distribution, so it has no q for the
 sampling rule; sampled decoding drafts from the heads alone (the lookup drafter: nothing).
 
-``context_continuation`` and ``graft`` are pure functions.
+``context_continuation`` and ``graft`` are pure functions; ``with_lookup`` applies them to a
+step's draft, for both drafters.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..tree import Path, build_tree
+from ..tree import Path, Tree, build_tree
 from .base import DecodeState, Draft, Drafter, check_lookup
 
 MAX_NGRAM = 3   # longest suffix looked up first, down to
@@ -80,6 +81,16 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
+def with_lookup(tree: Tree, tokens: torch.Tensor, state: DecodeState, k: int) -> tuple[Tree, torch.Tensor]:
+    """A step's draft (tree, node tokens, root first) with up to k context tokens grafted on.
+    Unchanged when sampling, when k is 0, or when the context has no match."""
+    copied = context_continuation(state.ids, k) if k and not state.params.do_sample else []
+    if not copied:
+        return tree, tokens
+    paths, merged = graft(tree.paths, tokens.tolist(), copied)
+    return build_tree(paths, str(tokens.device)), torch.tensor(merged, device=tokens.device)
+
+
 class LookupDrafter(Drafter):
     """Proposes only the context's continuation (up to ``lookup`` tokens) as a chain; greedy only."""
 
@@ -93,7 +104,6 @@ class LookupDrafter(Drafter):
         self.tree = build_tree((), self.device)
 
     def draft(self, state: DecodeState) -> Draft:
-        root = state.ids[-1]
-        copied = [] if state.params.do_sample else context_continuation(state.ids, self.lookup)
-        paths, tokens = graft((), [root], copied)
-        return Draft(tree=build_tree(paths, self.device), tokens=torch.tensor(tokens, device=self.device))
+        root = torch.tensor([state.ids[-1]], device=self.device)
+        tree, tokens = with_lookup(self.tree, root, state, self.lookup)
+        return Draft(tree=tree, tokens=tokens)

@@ -15,11 +15,11 @@ import torch
 
 from ..backbone import Backbone
 from ..heads import Heads
-from ..tree import Tree, build_tree
+from ..tree import Tree
 from ..verify import Accepted
 from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_lookup, check_threshold, draft_head, layout,
                    pruned, row_candidates, tree_width)
-from .lookup import context_continuation, graft
+from .lookup import with_lookup
 
 
 class MedusaDrafter(Drafter):
@@ -55,13 +55,7 @@ class MedusaDrafter(Drafter):
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
-        tokens = layout(tree, state.ids[-1], cand.tokens)
-        if self.lookup and not state.params.do_sample:
-            copied = context_continuation(state.ids, self.lookup)
-            if copied:
-                paths, merged = graft(tree.paths, tokens.tolist(), copied)
-                tree = build_tree(paths, str(tokens.device))
-                tokens = torch.tensor(merged, device=tokens.device)
+        tree, tokens = with_lookup(tree, layout(tree, state.ids[-1], cand.tokens), state, self.lookup)
         return Draft(tree=tree, tokens=tokens, q=cand.q)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
