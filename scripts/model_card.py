@@ -92,13 +92,22 @@ def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
 
 
 def _init_lines(init: dict | None, hardware: str) -> list[str]:
-    """A warm-started run: the run it started from (stage 1), whose steps and time come on top."""
-    if not init:
-        return []
-    return [f"- warm-started from `{init['path']}` (stage 1, trained from scratch: {init.get('steps')} steps, "
-            f"{init.get('tokens_seen')} response tokens seen, {init.get('wall_s')} s on {hardware}) on:",
-            *("  " + line for line in _data_lines(init.get("data"), init.get("rows"))[1:]),
-            "- the numbers above are stage 2's own; stage 1's held-out sequences stay held out in stage 2"]
+    """A warm-started run: the runs it started from (its ``init``, that run's ``init``, ...), whose
+    steps and time come on top of this run's. The last of the chain was trained from scratch."""
+    chain = []
+    while init:
+        chain.append(init)
+        init = init.get("init")
+    lines = []
+    for n, run in enumerate(chain):
+        stage = len(chain) - n
+        how = "trained from scratch" if stage == 1 else f"itself warm-started from `{chain[n + 1]['path']}`"
+        lines += [f"- {'warm-started from' if n == 0 else 'which was'} `{run['path']}` (stage {stage}, {how}: "
+                  f"{run.get('steps')} steps, {run.get('tokens_seen')} response tokens seen, {run.get('wall_s')} s on {hardware}) on:",
+                  *("  " + line for line in _data_lines(run.get("data"), run.get("rows"))[1:])]
+    if chain:
+        lines.append(f"- the numbers above are stage {len(chain) + 1}'s own; every earlier stage's held-out sequences stay held out")
+    return lines
 
 
 def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
@@ -141,6 +150,9 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
         reads = " and the root token's embedding" if cfg.get("token_input") else ""
         lines.append(f"{cfg['num_heads']} Medusa heads (zero-initialised residual blocks on the last hidden state{reads}, "
                      f"sharing the target's LM head).")
+        wide = [f"head {k + 1}: {w}" for k, w in enumerate(cfg.get("head_mlp") or []) if w]
+        if wide:
+            lines.append(f"Heads with a second, wider residual MLP (width): {', '.join(wide)}.")
     else:
         lines.append(f"Exit adapter `{cfg.get('adapter', 'mlp')}` on the hidden states after the first "
                      f"{cfg['exit_layer']} decoder layers (final norm and LM head shared with the target).")

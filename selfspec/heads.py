@@ -3,8 +3,10 @@
 * ``MedusaHeads``: K residual blocks on the target's last (post-norm) hidden state; head k
   (1-based) predicts the token k positions after the target's own next token. With
   ``token_input`` each block also reads the embedding of that next token (the tree's root, which
-  is known when drafting), so head 1 need not guess which token comes in between. Each block is
-  zero-initialised, so an untrained head repeats the target's own next-token prediction.
+  is known when drafting), so head 1 need not guess which token comes in between. ``head_mlp``
+  gives chosen heads a second, wider residual MLP after the block: more capacity where the
+  single block underfits. Everything is zero-initialised, so an untrained head repeats the
+  target's own next-token prediction, and adding the MLP to trained heads keeps what they do.
 * ``ExitHead``: a residual MLP on the hidden state after decoder layer E, followed by the
   target's final norm and LM head. Zero-initialised: untrained, it *is* plain early exit.
 
@@ -39,6 +41,7 @@ class HeadsConfig:
     vocab_size: int
     num_heads: int = 0              # medusa
     token_input: bool = False       # medusa: heads also read the embedding of the root (the target's next token)
+    head_mlp: list = field(default_factory=list)  # medusa: width of head k's extra residual MLP (0 or absent = none)
     exit_layer: int | None = None   # early-exit
     adapter: str = "mlp"            # early-exit adapter: "mlp" (residual MLP) or "layer" (a decoder layer)
     intermediate_size: int = 0      # early-exit "mlp" adapter width
@@ -49,42 +52,11 @@ class HeadsConfig:
     extra: dict = field(default_factory=dict)  # training provenance (data, steps, accuracy)
 
 
-class ResBlock(nn.Module):
-    """x + SiLU(W x + U e + b), zero-initialised so it starts as the identity (U: only with a token input e)."""
-
-    def __init__(self, hidden_size: int, *, token_input: bool = False):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-        self.token = nn.Linear(hidden_size, hidden_size, bias=False) if token_input else None
-        if self.token is not None:
-            nn.init.zeros_(self.token.weight)
-
-    def forward(self, x: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
-        pre = self.linear(x) if self.token is None else self.linear(x) + self.token(e)
-        return x + nn.functional.silu(pre)
-
-
-class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, *, token_input: bool = False):
-        super().__init__()
-        self.token_input = token_input
-        self.blocks = nn.ModuleList(ResBlock(hidden_size, token_input=token_input) for _ in range(num_heads))
-
-    def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., H) post-norm hidden [+ (..., H) embedding of the token it produced] -> (..., K, H) LM-head inputs."""
-        if self.token_input and root_embedding is None:
-            raise ValueError("these Medusa heads read the root token: pass root_embedding")
-        e = root_embedding if self.token_input else None
-        return torch.stack([block(hidden, e) for block in self.blocks], dim=-2)
-
-
-class ExitHead(nn.Module):
-    """Pre-norm residual MLP adapter on layer-E hidden states; output goes to the final norm + LM head.
+class ResidualMLP(nn.Module):
+    """x + down(SiLU(up(RMSNorm(x)))); ``down`` is zero-initialised, so untrained it is the identity.
 
     The input norm matters: mid-depth residual streams have large, uneven scales, and an MLP fed
-    with them directly trains unstably. ``down`` is zero-initialised, so untrained it is the identity.
+    with them directly trains unstably.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -96,6 +68,48 @@ class ExitHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.down(nn.functional.silu(self.up(self.norm(hidden))))
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + U e + b), zero-initialised so it starts as the identity (U: only with a token
+    input e), then optionally a wider ``ResidualMLP`` (width ``mlp``)."""
+
+    def __init__(self, hidden_size: int, *, token_input: bool = False, mlp: int = 0):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.token = nn.Linear(hidden_size, hidden_size, bias=False) if token_input else None
+        if self.token is not None:
+            nn.init.zeros_(self.token.weight)
+        self.mlp = ResidualMLP(hidden_size, mlp) if mlp else None
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+        pre = self.linear(x) if self.token is None else self.linear(x) + self.token(e)
+        y = x + nn.functional.silu(pre)
+        return y if self.mlp is None else self.mlp(y)
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, *, token_input: bool = False, head_mlp=()):
+        super().__init__()
+        if any(w < 0 for w in head_mlp) or len(head_mlp) > num_heads:
+            raise ValueError(f"head_mlp gives one width >= 0 per head, at most {num_heads} (got {list(head_mlp)})")
+        widths = list(head_mlp) + [0] * (num_heads - len(head_mlp))
+        self.token_input = token_input
+        self.blocks = nn.ModuleList(ResBlock(hidden_size, token_input=token_input, mlp=w) for w in widths)
+
+    def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) post-norm hidden [+ (..., H) embedding of the token it produced] -> (..., K, H) LM-head inputs."""
+        if self.token_input and root_embedding is None:
+            raise ValueError("these Medusa heads read the root token: pass root_embedding")
+        e = root_embedding if self.token_input else None
+        return torch.stack([block(hidden, e) for block in self.blocks], dim=-2)
+
+
+class ExitHead(ResidualMLP):
+    """The "mlp" exit adapter: a pre-norm residual MLP on layer-E hidden states, whose output goes
+    to the final norm + LM head. Untrained (``down`` zero) it is plain early exit."""
 
 
 class ExitLayerHead(nn.Module):
@@ -123,7 +137,8 @@ class Heads:
 def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
     """``model`` (the target) is needed only for the "layer" exit adapter, a copy of one of its layers."""
     if config.kind == "medusa":
-        return MedusaHeads(config.hidden_size, config.num_heads, token_input=config.token_input)
+        return MedusaHeads(config.hidden_size, config.num_heads, token_input=config.token_input,
+                           head_mlp=config.head_mlp)
     if config.kind == "early-exit" and config.adapter == "layer":
         if model is None:
             raise ValueError("a 'layer' exit adapter is built from the target model: pass model=")

@@ -43,10 +43,11 @@ class GenerateOutput:
 
 def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM_HEADS,
                     exit_layer: int | None = None, adapter: str = "mlp", intermediate_size: int = 0,
-                    token_input: bool = False) -> Heads:
+                    token_input: bool = False, head_mlp=()) -> Heads:
     """Initial heads: Medusa heads repeat the target's next token; an untrained exit adapter is plain early exit.
 
     token_input: Medusa heads that also read the root token's embedding (see heads.py).
+    head_mlp: Medusa: width of each head's extra residual MLP (0 = none; heads past the list get none).
     adapter: "mlp" (residual MLP, width ``intermediate_size`` or the hidden size) or "layer" (a copy of
     decoder layer E with its residual writes zeroed).
     """
@@ -58,6 +59,7 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
         vocab_size=model.get_output_embeddings().weight.shape[0],
         num_heads=num_heads if kind == "medusa" else 0,
         token_input=token_input and kind == "medusa",
+        head_mlp=[int(w) for w in head_mlp] + [0] * (num_heads - len(head_mlp)) if kind == "medusa" and any(head_mlp) else [],
         exit_layer=exit_layer,
         adapter=adapter if kind == "early-exit" else "mlp",
         intermediate_size=(intermediate_size or cfg.hidden_size) if kind == "early-exit" and adapter == "mlp" else 0,

@@ -552,3 +552,39 @@ def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_pat
         train_heads(model, ds, config=_cfg(tmp_path, "bad", num_heads=3, init=first.out), name="tiny",
                     data_dir=str(data), progress=False)
     assert heads.config.extra["init"]["path"] == first.out and heads.config.extra["init"]["steps"] == 3
+
+
+def test_head_mlp_grows_trained_heads_without_changing_them_then_trains(tmp_path):
+    """--head-mlp on a warm start adds a zero-initialised residual MLP to chosen heads: at lr 0 the
+    grown heads predict exactly what the init did; trained, the MLP moves and the loss goes down."""
+    model, data, first, answer = _grown_data_run(tmp_path, n_rows=20, first=20, steps=3, draft_vocab_size=16)
+    ds, d = answer(), str(data)
+    fp = config_fingerprint(model.config)
+    init = load_heads(first.out, expect_kind="medusa", fingerprint=fp)
+    start = float(init.config.extra["eval"]["loss"])
+
+    same = _cfg(tmp_path, "same", steps=1, lr=0.0, draft_vocab_size=16, head_mlp="16", init=first.out)
+    train_heads(model, ds, config=same, name="tiny", data_dir=d, progress=False)
+    grown = load_heads(same.out, expect_kind="medusa", fingerprint=fp)
+    assert grown.config.head_mlp == [16, 0]
+    assert grown.module.blocks[0].mlp.up.weight.shape == (16, model.config.hidden_size)
+    assert grown.module.blocks[1].mlp is None
+    h, e = torch.randn(5, model.config.hidden_size), torch.randn(5, model.config.hidden_size)
+    torch.testing.assert_close(grown.module(h, e), init.module(h, e))
+
+    run = _cfg(tmp_path, "grown", steps=6, draft_vocab_size=16, head_mlp="16", init=first.out)
+    trained = train_heads(model, ds, config=run, name="tiny", data_dir=d, progress=False)
+    heads = load_heads(run.out, expect_kind="medusa", fingerprint=fp)
+    assert heads.module.blocks[0].mlp.down.weight.abs().sum() > 0
+    assert trained.evals[-1].loss < start
+    # Greedy output is still the target's own with the grown heads.
+    sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=heads, tree="chain-2", name="tiny")
+    prompt = torch.tensor([ds[0]["input_ids"][:6]])
+    assert sm.generate(prompt, max_new_tokens=12).tolist() == hf_greedy(model, prompt, 12).tolist()
+
+    with pytest.raises(ValueError, match="head_mlp \\[16, 0\\] \\(this run: \\[8, 0\\]\\)"):
+        train_heads(model, ds, config=_cfg(tmp_path, "bad", head_mlp="8", init=run.out), name="tiny", data_dir=d, progress=False)
+    with pytest.raises(ValueError, match="--head-mlp takes comma-separated widths"):
+        train_heads(model, ds, config=_cfg(tmp_path, "bad2", head_mlp="wide"), name="tiny", data_dir=d, progress=False)
+    with pytest.raises(ValueError, match="--head-mlp widens Medusa heads"):
+        train_heads(model, ds, config=_cfg(tmp_path, "bad3", kind="early-exit", head_mlp="8"), name="tiny", data_dir=d, progress=False)

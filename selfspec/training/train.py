@@ -55,6 +55,7 @@ class TrainConfig:
     kind: str = "medusa"              # medusa | early-exit
     num_heads: int = 4                # medusa
     token_input: bool = True          # medusa: heads also read the root token's embedding (known when drafting)
+    head_mlp: str = ""                # medusa: widths of an extra residual MLP per head, e.g. "1024,1024" (heads 1-2)
     exit_layer: int | None = None     # early-exit; None = num_layers // 2
     steps: int = 2000                 # optimizer steps
     lr: float = 1e-3
@@ -637,10 +638,12 @@ def train_heads(
     vocab = init.draft_vocab if init is not None else frequent_vocab(
         dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
+    if config.head_mlp and config.kind != "medusa":
+        raise ValueError("--head-mlp widens Medusa heads: drop it for --kind early-exit (see --exit-intermediate)")
     if config.exit_adapter not in ("mlp", "layer"):
         raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
-                            token_input=config.token_input,
+                            token_input=config.token_input, head_mlp=parse_widths(config.head_mlp),
                             adapter=config.exit_adapter, intermediate_size=config.exit_intermediate)
     if init is not None:
         _check_init_shape(init, heads, config.init)
@@ -655,7 +658,7 @@ def train_heads(
         _check_compatible(saved, config=config, vocab=vocab, fingerprint=heads.config.base_fingerprint, out=out)
         module.load_state_dict(saved["heads"])
     elif init is not None:
-        module.load_state_dict(init.module.state_dict())
+        load_grown(module, init)
         log.info("warm start from %s", config.init)
     elif resume:
         log.warning("--resume: %s has no %s, starting from scratch", out, STATE_FILE)
@@ -710,7 +713,7 @@ def train_heads(
         if init is not None:  # not the seeded split: record it for tune-tree and eval-heads; and the init's run
             heads.config.extra["held_out_rows"] = eval_idx
             heads.config.extra["init"] = {"path": str(config.init), **{
-                k: (init.config.extra or {}).get(k) for k in ("data", "rows", "steps", "tokens_seen", "wall_s", "eval")}}
+                k: (init.config.extra or {}).get(k) for k in ("data", "rows", "steps", "tokens_seen", "wall_s", "eval", "init")}}
         saved_state = {
             "heads": {k: v.detach().cpu() for k, v in raw.state_dict().items()},
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -754,10 +757,39 @@ def _warm_start(config: TrainConfig, model) -> Heads:
     return heads
 
 
+def parse_widths(text) -> list[int]:
+    """"1024,1024" (or a YAML list) -> [1024, 1024]; "" -> []."""
+    if isinstance(text, (list, tuple)):
+        return [int(w) for w in text]
+    try:
+        widths = [int(w) for w in str(text).replace(" ", "").split(",") if w]
+    except ValueError:
+        raise ValueError(f"--head-mlp takes comma-separated widths, one per head, e.g. 1024,1024 (got {text!r})") from None
+    if any(w < 0 for w in widths):
+        raise ValueError(f"--head-mlp widths must be >= 0 (got {text!r})")
+    return widths
+
+
+def _padded(widths, n: int) -> list[int]:
+    return list(widths) + [0] * (n - len(widths))
+
+
+def load_grown(module: torch.nn.Module, init: Heads) -> None:
+    """Copy ``init``'s weights into ``module``, which may give heads an extra MLP that ``init`` lacks
+    (left zero-initialised, so the warm start begins with exactly what ``init`` predicts)."""
+    missing, unexpected = module.load_state_dict(init.module.state_dict(), strict=False)
+    if unexpected or any(".mlp." not in k for k in missing):
+        raise ValueError(f"cannot warm-start from heads of another shape (missing {missing[:2]}, unexpected {unexpected[:2]})")
+
+
 def _check_init_shape(init: Heads, mine: Heads, path: str) -> None:
     keys = ("num_heads", "token_input", "exit_layer", "adapter", "intermediate_size")
     diffs = [f"{k} {getattr(init.config, k)} (this run: {getattr(mine.config, k)})" for k in keys
              if getattr(init.config, k) != getattr(mine.config, k)]
+    n = mine.config.num_heads
+    old, new = _padded(init.config.head_mlp, n), _padded(mine.config.head_mlp, n)
+    if any(o and o != w for o, w in zip(old, new)):  # growing a head (0 -> w) is fine; changing a trained MLP is not
+        diffs.append(f"head_mlp {init.config.head_mlp} (this run: {mine.config.head_mlp})")
     if diffs:
         raise ValueError(f"--init {path} has {', '.join(diffs)}: pass matching flags, or drop --init")
 
@@ -792,10 +824,13 @@ def _atomic_save_adapter(lora, path: Path) -> None:
 def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: str, out: Path) -> None:
     """Refuse to resume a run whose heads have another shape, base model or draft vocabulary."""
     old = saved["config"]
-    keys = ("kind", "num_heads", "token_input", "exit_layer", "exit_adapter", "exit_intermediate", "draft_vocab_size", "lora")
+    keys = ("kind", "num_heads", "token_input", "head_mlp", "exit_layer", "exit_adapter", "exit_intermediate",
+            "draft_vocab_size", "lora")
     defaults = TrainConfig()
     before = {"token_input": False}  # runs saved before a field existed had the old behaviour, not today's default
-    diffs = [k for k in keys if old.get(k, before.get(k, getattr(defaults, k))) != getattr(config, k)]
+    norm = {"head_mlp": parse_widths}
+    diffs = [k for k in keys if norm.get(k, lambda v: v)(old.get(k, before.get(k, getattr(defaults, k))))
+             != norm.get(k, lambda v: v)(getattr(config, k))]
     if saved["fingerprint"] != fingerprint:
         diffs.append("base model")
     old_vocab = saved["vocab"]
@@ -838,6 +873,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens",
              "init": "warm start: heads directory (same kind and shape) whose weights and draft vocabulary this run starts from, with a fresh optimizer and schedule",
              "token_input": "medusa: heads also read the root token's embedding (true | false)",
+             "head_mlp": "medusa: comma-separated widths of an extra residual MLP per head (e.g. 1024,1024: heads 1 and 2; empty: none)",
              "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)
@@ -871,6 +907,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
         raise ValueError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
     values = {k: v for k, v in recipe.items() if k in names}
     values.update({k: getattr(args, k) for k in names if getattr(args, k, None) is not None})
+    if "head_mlp" in values:  # fail before loading anything; a YAML list becomes the flag's text
+        values["head_mlp"] = ",".join(str(w) for w in parse_widths(values["head_mlp"]))
     extra = {k: recipe.get(k) for k in other}
     extra.update({k: getattr(args, k) for k in other if getattr(args, k, None) is not None})
     return TrainConfig(**values), extra
