@@ -217,3 +217,18 @@ def test_end_to_end_draft_learns_and_decoding_stays_exact(tmp_path):
         new, _ = decode(bb, drafter, prompt[0], params=SamplingParams(), max_new_tokens=24, eos_token_ids=set(),
                         generator=None)
         assert new == hf_greedy(model, prompt, 24)[0, 5:].tolist()
+
+    # eval-heads scores a draft as the drafter uses it: top-1 on its vocabulary subset, next token
+    # at every response position; checked against a fresh forward per position.
+    from selfspec.training.evaluate import draft_rank_accuracy
+
+    seqs = to_sequences(ds, max_len=1024)[:4]
+    hits = total = 0
+    with torch.no_grad():
+        for s in seqs:
+            for t in range(s.response_start - 1, len(s.ids) - 1):
+                z = draft(s.ids[None, : t + 1]).logits[0, -1, vocab]
+                hits += int(vocab[z.argmax()]) == int(s.ids[t + 1])
+                total += 1
+    acc = draft_rank_accuracy(draft, seqs)
+    assert acc[0][0] == pytest.approx(hits / total, abs=1e-6) and sum(acc[0]) <= 1

@@ -1,11 +1,12 @@
-"""``selfspec eval-heads``: per-head accuracy of trained heads on prompts they never saw.
+"""``selfspec eval-heads``: per-head accuracy of trained heads (or a distilled draft) on prompts they never saw.
 
 The target answers the prompts greedily in the dtype it decodes in (batched, resumable, cached
 under ``$SELFSPEC_HOME/eval-data``), then each head is scored where decoding uses it: from the
 position that produced the pending token onwards, against the target's actual next tokens (a
 token outside the heads' draft vocabulary counts as a miss, since it could never be drafted).
 Medusa head k (1-based) at position t proposes the token at t + k + 1; the exit head at t
-proposes the token at t + 1 (its top-1 is its agreement with the full model). The same numbers
+proposes the token at t + 1 (its top-1 is its agreement with the full model), and so does a
+distilled draft model (``selfspec train-draft``; scored on its draft vocabulary). The same numbers
 are computed on the heads' own held-out training split, so the gap between training-like and
 unseen prompts is measured, not guessed. Prompts are picked like ``selfspec bench`` picks them
 (``--limit`` / ``--sample`` with ``--seed``), so an evaluation and a bench run can cover the same
@@ -40,6 +41,13 @@ def eval_data_dir(model, prompts: list[dict], *, max_new_tokens: int) -> Path:
     return selfspec_home() / "eval-data" / h.hexdigest()[:20]
 
 
+def _next_token_hits(z: torch.Tensor, s: Sequence, ids: torch.Tensor, vocab, max_rank: int) -> tuple[torch.Tensor, int]:
+    """Rank hits of (L, V_sub) scores at t against the token at t + 1, from the pending token's position t."""
+    t = torch.arange(max(s.response_start - 1, 0), ids.shape[1] - 1, device=z.device)
+    rank = rank_of(z[t], ids[0, t + 1], vocab, max_rank)
+    return torch.stack([(rank == r).sum() for r in range(max_rank)]).float().cpu(), len(t)
+
+
 @torch.no_grad()
 def exit_rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
     """acc[0][r] = P(the target's next token is the exit head's rank-r candidate), on response positions."""
@@ -56,12 +64,25 @@ def exit_rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5)
             h = heads.module(h, position_embeddings=bb.rotary_emb(h, position_ids=pos), position_ids=pos)
         else:
             h = heads.module(h)
-        z = F.linear(bb.final_norm(h), w)[0]                                        # (L, V_sub)
-        # The exit head at position t drafts the token at t + 1 (t = the pending token's position).
-        t = torch.arange(max(s.response_start - 1, 0), ids.shape[1] - 1, device=bb.device)
-        rank = rank_of(z[t], ids[0, t + 1], vocab, max_rank)
-        hits += torch.stack([(rank == r).sum() for r in range(max_rank)]).float().cpu()
-        total += len(t)
+        n_hits, n = _next_token_hits(F.linear(bb.final_norm(h), w)[0], s, ids, vocab, max_rank)
+        hits, total = hits + n_hits, total + n
+    return [(hits / max(total, 1)).tolist()]
+
+
+@torch.no_grad()
+def draft_rank_accuracy(draft, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
+    """acc[0][r] = P(the target's next token is the draft model's rank-r candidate), scored as the
+    draft-model drafter scores: on the draft's own vocabulary subset when it names one."""
+    w = draft.get_output_embeddings().weight
+    subset = getattr(draft.config, "selfspec_draft_vocab", None)
+    vocab = None if subset is None else torch.as_tensor(subset, dtype=torch.long, device=w.device)
+    w = w if vocab is None else w.index_select(0, vocab)
+    hits, total = torch.zeros(max_rank), 0
+    for s in seqs:
+        ids = s.ids.to(w.device)[None]
+        h = draft.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]  # (L, H) post-norm
+        n_hits, n = _next_token_hits(F.linear(h, w), s, ids, vocab, max_rank)
+        hits, total = hits + n_hits, total + n
     return [(hits / max(total, 1)).tolist()]
 
 
@@ -76,26 +97,41 @@ def _summary(acc: list[list[float]], n_seqs: int) -> dict:
     return {"prompts": n_seqs, "top1": [a[0] for a in acc], "top5": [sum(a[:5]) for a in acc]}
 
 
-@torch.no_grad()
-def eval_heads(model, tokenizer, heads, prompts: list[dict], *, max_new_tokens: int = 128, batch_size: int = 16,
-               held_out: list[Sequence] | None = None, progress: bool = True) -> dict:
-    """Answer ``prompts`` with the target (cached), then score ``heads`` on every response position
-    (and on ``held_out`` training sequences, when given, the same way)."""
+def _answers(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch_size: int, progress: bool):
+    """The target's greedy answers to ``prompts`` (generated once, cached): (directory, sequences)."""
     from . import data as gen
 
     out_dir = eval_data_dir(model, prompts, max_new_tokens=max_new_tokens)
     dataset = gen.generate_distillation_data(model, tokenizer, prompts, out_dir, max_new_tokens=max_new_tokens,
                                              batch_size=batch_size, progress=progress)
-    seqs = to_sequences(dataset, max_len=1 << 30)
+    return out_dir, to_sequences(dataset, max_len=1 << 30)
+
+
+@torch.no_grad()
+def eval_heads(model, tokenizer, heads, prompts: list[dict], *, max_new_tokens: int = 128, batch_size: int = 16,
+               held_out: list[Sequence] | None = None, progress: bool = True) -> dict:
+    """Answer ``prompts`` with the target (cached), then score ``heads`` on every response position
+    (and on ``held_out`` training sequences, when given, the same way)."""
+    out_dir, seqs = _answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             progress=progress)
     result = {"kind": heads.config.kind, "data": str(out_dir), **_summary(rank_accuracy(model, heads, seqs), len(seqs))}
     if held_out is not None:
         result["held_out_train_split"] = _summary(rank_accuracy(model, heads, held_out), len(held_out))
     return result
 
 
+@torch.no_grad()
+def eval_draft(model, tokenizer, draft, prompts: list[dict], *, max_new_tokens: int = 128, batch_size: int = 16,
+               progress: bool = True) -> dict:
+    """Answer ``prompts`` with the target (cached), then score the draft model's next-token agreement."""
+    out_dir, seqs = _answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             progress=progress)
+    return {"kind": "draft-model", "data": str(out_dir), **_summary(draft_rank_accuracy(draft, seqs), len(seqs))}
+
+
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--heads", required=True, help="a heads directory (Medusa or early-exit)")
+    p.add_argument("--heads", required=True, help="a heads directory (Medusa or early-exit), or a draft from `selfspec train-draft`")
     p.add_argument("--prompts", required=True, help="JSONL with a prompt per line, e.g. dev.jsonl (never the training prompts)")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts")
     p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts, as `selfspec bench --sample`")
@@ -125,13 +161,21 @@ def run_eval_heads(args: argparse.Namespace) -> int:
     cfg_path = Path(args.heads) / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{args.heads} is not a heads directory (no config.json)")
-    kind = json.loads(cfg_path.read_text()).get("kind")
+    is_draft = (Path(args.heads) / "selfspec_draft.json").is_file()
+    kind = "draft-model" if is_draft else json.loads(cfg_path.read_text()).get("kind")
     prompts = [{"id": p.id, "prompt": p.text}
                for p in load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)]
     if not prompts:
         raise ValueError(f"{args.prompts} holds no prompts")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     w = loaded.model.get_output_embeddings().weight
+    if is_draft:
+        draft = load_model(args.heads, dtype=args.dtype, device=args.device).model
+        if draft.get_output_embeddings().weight.shape[0] < w.shape[0]:
+            raise ValueError(f"{args.heads} has a smaller vocabulary than {args.model}: it is not a draft for it")
+        r = eval_draft(loaded.model, loaded.tokenizer, draft, prompts, max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size, progress=not args.no_progress)
+        return _report(r, args, data=None, name=lambda k: "draft (next token)")
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
                        device=w.device, dtype=w.dtype, model=loaded.model)
     data = args.data or (heads.config.extra or {}).get("data")
@@ -139,20 +183,26 @@ def run_eval_heads(args: argparse.Namespace) -> int:
             else None)
     r = eval_heads(loaded.model, loaded.tokenizer, heads, prompts, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, held_out=held, progress=not args.no_progress)
+    exit_name = f"exit (layer {heads.config.exit_layer})"
+    return _report(r, args, data=data if held else None,
+                   name=lambda k: str(k + 1) if r["kind"] == "medusa" else exit_name)
+
+
+def _report(r: dict, args: argparse.Namespace, *, data, name) -> int:
     r.update(heads=str(args.heads), prompts_file=str(args.prompts), limit=args.limit, sample=args.sample,
-             seed=args.seed, max_new_tokens=args.max_new_tokens, train_data=data if held else None,
+             seed=args.seed, max_new_tokens=args.max_new_tokens, train_data=data,
              command=" ".join(["selfspec"] + sys.argv[1:]))
     if args.json:
         json.dump(r, sys.stdout, indent=1)
         print()
         return 0
     ref = r.get("held_out_train_split")
-    print(f"{r['kind']} heads {args.heads}: {r['prompts']} prompts from {args.prompts}, {args.max_new_tokens} new tokens"
+    what = "draft" if r["kind"] == "draft-model" else f"{r['kind']} heads"
+    print(f"{what} {args.heads}: {r['prompts']} prompts from {args.prompts}, {args.max_new_tokens} new tokens"
           + (f"; held-out split of {data}: {ref['prompts']} sequences" if ref else ""))
     print("| head | top-1 | top-5 |" + (" top-1 held-out train | top-5 held-out train |" if ref else "")
           + "\n|---|---|---|" + ("---|---|" if ref else ""))
     for k, (t1, t5) in enumerate(zip(r["top1"], r["top5"])):
-        name = str(k + 1) if r["kind"] == "medusa" else f"exit (layer {heads.config.exit_layer})"
         extra = f" {ref['top1'][k]:.3f} | {ref['top5'][k]:.3f} |" if ref else ""
-        print(f"| {name} | {t1:.3f} | {t5:.3f} |{extra}")
+        print(f"| {name(k)} | {t1:.3f} | {t5:.3f} |{extra}")
     return 0
