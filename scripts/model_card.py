@@ -61,7 +61,8 @@ def _eval_section(ev: dict) -> list[str]:
              "", "| head | top-1 | top-5 |" + (" top-1 held-out train | top-5 held-out train |" if ref else ""),
              "|---|---|---|" + ("---|---|" if ref else "")]
     for k, (t1, t5) in enumerate(zip(ev["top1"], ev["top5"])):
-        row = f"| {k + 1 if medusa else 'exit'} | {t1:.1%} | {t5:.1%} |"
+        name = k + 1 if medusa else {"early-exit": "exit", "draft-model": "draft (next token)"}[ev["kind"]]
+        row = f"| {name} | {t1:.1%} | {t5:.1%} |"
         lines.append(row + (f" {ref['top1'][k]:.1%} | {ref['top5'][k]:.1%} |" if ref else ""))
     return lines + [""]
 
@@ -110,7 +111,7 @@ def _init_lines(init: dict | None, hardware: str) -> list[str]:
     return lines
 
 
-def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str) -> str:
+def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_eval: dict | None = None) -> str:
     meta = json.loads((ckpt / "selfspec_draft.json").read_text())
     t = meta.get("training") or {}
     tc = t.get("train_config") or {}
@@ -132,6 +133,8 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
              f"- held-out (train-split prompts never trained on) top-1 agreement with the target: "
              f"{_pct(ev.get('top1'))}, top-5: {_pct(ev.get('top5'))}, KL {ev.get('loss', float('nan')):.3f} "
              f"over {ev.get('tokens')} positions", ""]
+    if dev_eval:
+        lines += _eval_section(dev_eval)
     if bench and method:
         lines += _bench_section(bench, method)
     return "\n".join(lines)
@@ -139,7 +142,7 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
 
 def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_eval: dict | None = None) -> str:
     if (ckpt / "selfspec_draft.json").is_file():
-        return draft_card(ckpt, bench, method, hardware)
+        return draft_card(ckpt, bench, method, hardware, dev_eval)
     cfg = json.loads((ckpt / "config.json").read_text())
     extra = cfg.get("extra") or {}
     tc = extra.get("train_config") or {}
@@ -181,7 +184,9 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
                   "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
                   "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
-                  "are grafted on (greedy); verified/step counts the nodes verified.", "",
+                  "are grafted on (greedy); verified/step counts the nodes verified."
+                  + (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
+                     "verifies the fewest nodes per step." if ts.get("tolerance") is not None else ""), "",
                   "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for c in ts["candidates"]:

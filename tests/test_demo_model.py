@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from selfspec.backbone import config_fingerprint
-from selfspec.cli import encode_prompt, shipped_heads
+from selfspec.cli import encode_prompt, shipped_draft, shipped_heads
 from selfspec.heads import load_heads
 from selfspec.drafters.draft_model import truncated_copy
 from selfspec.model import SelfSpeculativeModel, untrained_heads
@@ -66,6 +66,24 @@ def test_demo_shipped_heads_identical_to_transformers(demo, references, drafter)
         taus.append(sm.last_stats.tau)
     # Trained heads get drafts accepted (the tuned exit threshold proposes only confident ones, so fewer).
     assert sum(taus) / len(taus) > (1.2 if drafter == "medusa" else 1.02)
+
+
+def test_demo_shipped_draft_identical_to_transformers(demo, references):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.training.draft import materialize_draft
+
+    path = shipped_draft("smollm2-135m")
+    assert path is not None, "no shipped distilled draft in checkpoints/"
+    draft = AutoModelForCausalLM.from_pretrained(materialize_draft(path), dtype=torch.float32).eval()
+    sm = SelfSpeculativeModel(demo.model, demo.tokenizer, drafter_name="draft-model", heads=None, tree="auto", name=demo.name,
+                              draft_model=draft)
+    taus = []
+    for ids, ref in references:
+        out = sm.generate(ids, max_new_tokens=N_NEW, do_sample=False)
+        assert out.shape == ref.shape and torch.equal(out, ref), "the shipped draft diverged from transformers"
+        taus.append(sm.last_stats.tau)
+    assert sum(taus) / len(taus) > 1.2  # the distilled draft gets drafts accepted
 
 
 def test_demo_loading_is_cached_and_fast(demo):

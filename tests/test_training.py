@@ -248,7 +248,7 @@ def test_end_to_end_trained_heads_learn_and_stay_exact(tmp_path, kind, adapter):
 
 def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     from selfspec.heads import save_heads
-    from selfspec.training.tune import medusa_rank_accuracy, tune_tree
+    from selfspec.training.tune import medusa_rank_accuracy, pick, tune_tree
 
     torch.set_num_threads(1)
     model = tiny_model(seed=2)
@@ -262,7 +262,7 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     assert len(acc) == 3 and all(len(a) == 4 for a in acc)
     assert all(0 <= sum(a) <= 1 + 1e-6 for a in acc)
     best, cands, _ = tune_tree(model, heads, seqs, n_prompts=2, max_new_tokens=8, repeats=1, progress=False)
-    assert best == max(cands, key=lambda c: c.speedup) and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
+    assert best == pick(cands) and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
     assert {c.gate for c in cands} > {0.0} and {c.lookup for c in cands} > {0}   # gated and lookup ones timed too
     for c in cands:   # cutting only ever verifies fewer nodes than the tree has; lookup only ever adds some
         if c.lookup:
@@ -281,6 +281,49 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     assert sm.drafter.lookup == best.lookup
     prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
     assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
+
+
+def test_pick_prefers_the_cheapest_candidate_within_the_timing_tolerance():
+    from selfspec.training.tune import Candidate, pick
+
+    def c(name, speedup, rows):
+        return Candidate(spec=name, size=int(rows), tokens_per_s=10 * speedup, tau=1.5, nodes_per_step=rows, speedup=speedup)
+
+    big, small, tiny = c("big", 1.39, 10.7), c("small", 1.33, 4.0), c("tiny", 1.10, 1.0)
+    assert pick([big, small, tiny], tolerance=0.05) is small        # 1.33 >= 0.95 * 1.39: tied, and cheaper
+    assert pick([big, small, tiny], tolerance=0.0) is big           # no tolerance: the fastest
+    assert pick([big, c("small-slow", 1.30, 4.0)], tolerance=0.05) is big   # 1.30 < 1.32: clearly slower
+    assert pick([c("a", 1.2, 4.0), c("b", 1.25, 4.0)], tolerance=0.05).spec == "b"   # equal cost: the faster
+    with pytest.raises(ValueError):
+        pick([])
+
+
+def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, capsys):
+    from selfspec.cli import main
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+
+    model = tiny_model(seed=2)
+    heads = untrained_heads("medusa", model, "tiny", num_heads=2)
+    rows = lambda spec, speedup, n: {"spec": spec, "size": len(spec), "tokens_per_s": speedup, "tau": 1.5,  # noqa: E731
+                                     "threshold": 0.0, "gate": 0.0, "lookup": 8, "nodes_per_step": n, "speedup": speedup}
+    heads.config.extra = {"tree_search": {"held_out_prompts": 8, "candidates": [
+        rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0)]}}
+    save_heads(heads, tmp_path / "h")
+    before = (tmp_path / "h" / "model.safetensors").read_bytes()
+    assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded"]) == 0
+    fp = config_fingerprint(model.config)
+    extra = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.extra
+    assert extra["tree"] == [[0], [0, 0]] and extra["lookup"] == 8 and extra["tree_search"]["tolerance"] == 0.05
+    assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0"]) == 0
+    assert load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.extra["tree"][-1] == [0, 0, 0]
+    assert (tmp_path / "h" / "model.safetensors").read_bytes() == before   # only the choice changes
+    capsys.readouterr()
+    empty = untrained_heads("medusa", model, "tiny", num_heads=2)
+    save_heads(empty, tmp_path / "e")
+    assert main(["tune-tree", "--heads", str(tmp_path / "e"), "--data", "unused", "--recorded"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "records no tune-tree timings" in err[0]
 
 
 @pytest.mark.parametrize("kind,adapter", [("medusa", "mlp"), ("early-exit", "layer")])

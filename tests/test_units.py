@@ -174,3 +174,13 @@ def test_pruned_draft_confidences_follow_the_tree_layout():
     assert pruned(tree, conf, 0.0) is tree
     assert pruned(tree, conf, 0.3).paths == ((0,), (0, 0))   # (1,) .2 < .3; (0,0) .35
     assert pruned(tree, conf, 0.4).paths == ((0,),)
+
+
+def test_shipped_checkpoints_stay_under_30_mb():
+    """Everything committed under checkpoints/ stays under 30 MB (trainer states are git-ignored)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    files = [p for p in root.rglob("*") if p.is_file() and p.name != "trainer_state.pt" and ".tmp-" not in p.name]
+    assert files, "no shipped checkpoints"
+    assert sum(p.stat().st_size for p in files) < 30e6

@@ -3,7 +3,8 @@
 Medusa: measure each head's rank accuracy (how often the target's token is its rank-r
 candidate), grow best-first trees of several sizes from it (``tree.tree_from_rank_accuracy``),
 then time real greedy decoding with each, interleaved prompt by prompt with plain decoding, and
-keep the one with the highest median speedup over it. Early exit: time chain lengths.
+keep the cheapest of those that come close to the highest median speedup over it (``pick``).
+Early exit: time chain lengths.
 Some trees are also timed cut by confidence (``tree.prune``): early exit with a node threshold
 (the chain stops where its draft path probability falls below it), Medusa with a gate (a step
 whose tree the heads expect fewer than ``gate`` tokens accepted from proposes nothing), and
@@ -112,13 +113,14 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int) -> tu
 
 
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
-              repeats: int = 2, progress: bool = True, prune: bool = True) -> tuple[Candidate, list[Candidate], list | None]:
+              repeats: int = 2, progress: bool = True, prune: bool = True,
+              tolerance: float = 0.05) -> tuple[Candidate, list[Candidate], list | None]:
     """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
 
     Timing follows the bench's protocol at a finer grain: for each prompt, plain decoding and every
     candidate run back to back in an order rotated from prompt to prompt, so machine drift hits
     them alike. A candidate's ``speedup`` is the median over (prompt, round) of its tokens/s over
-    plain decoding's on the same prompt in the same round; the best candidate has the highest.
+    plain decoding's on the same prompt in the same round; ``pick`` chooses among them.
     """
     bb = Backbone(model)
     prompts = [s.ids[: s.response_start] for s in seqs[:n_prompts]]
@@ -166,8 +168,19 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
                        tokens_per_s=total(i, 0) / total(i, 1), tau=total(i, 3) / max(total(i, 2), 1),
                        nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]))
              for i, (spec, t, g, k) in enumerate(grid, start=1)]
-    best = max(cands, key=lambda c: c.speedup)
-    return best, cands, acc
+    return pick(cands, tolerance=tolerance), cands, acc
+
+
+def pick(cands: list[Candidate], *, tolerance: float = 0.05) -> Candidate:
+    """The candidate to ship: of those within ``tolerance`` of the best median speedup, the one that
+    verifies the fewest rows per step (then the fastest). A few prompts on a shared machine time
+    candidates only to within a few percent, so a bigger tree that is not clearly faster loses: each
+    extra verified row is a cost that prompts unlike the tuning ones pay whether or not it is accepted."""
+    if not cands:
+        raise ValueError("no candidates to pick from")
+    top = max(c.speedup for c in cands)
+    close = [c for c in cands if c.speedup >= (1 - tolerance) * top]
+    return min(close, key=lambda c: (c.nodes_per_step, -c.speedup))
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -179,11 +192,20 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="candidates within this fraction of the best speedup count as tied; the one verifying "
+                        "the fewest rows per step wins (default 0.05)")
+    p.add_argument("--recorded", action="store_true",
+                   help="time nothing: choose again, with this --tolerance, from the timings recorded by the last run")
 
 
 def run_tune(args) -> int:
     from ..loading import load_model
 
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance must be in [0, 1) (got {args.tolerance})")
+    if args.recorded:
+        return _repick(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else None)
@@ -197,23 +219,56 @@ def run_tune(args) -> int:
                        device=p.device, dtype=p.dtype, model=loaded.model)
     seqs = heldout_sequences(args.data, heads)
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
-                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune)
+                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
+                                 tolerance=args.tolerance)
     for c in cands:
         print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  lookup {c.lookup}  {c.nodes_per_step:5.2f} verified/step  "
               f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
-    heads.config.extra = dict(heads.config.extra or {})
-    heads.config.extra["tree"] = best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec]
-    heads.config.extra["threshold"] = best.threshold
-    heads.config.extra["gate"] = best.gate
-    heads.config.extra["lookup"] = best.lookup
-    heads.config.extra["tree_search"] = {
-        "held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
-        "threads": torch.get_num_threads(), "rank_accuracy": acc,
-        "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
-                       for c in cands],
-    }
+    search = {"held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
+              "threads": torch.get_num_threads(), "rank_accuracy": acc,
+              "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
+                             for c in cands]}
+    heads.config.extra = {**(heads.config.extra or {}), **_choice(best, search, args.tolerance)}
     save_heads(heads, args.heads)
+    return _report_choice(args.heads, best)
+
+
+def _choice(best: Candidate, search: dict, tolerance: float) -> dict:
+    """What "auto" reads from the heads' config.extra: the chosen settings and the search behind them."""
+    return {"tree": best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec],
+            "threshold": best.threshold, "gate": best.gate, "lookup": best.lookup,
+            "tree_search": {**search, "tolerance": tolerance}}
+
+
+def _report_choice(path: str, best: Candidate) -> int:
     shape = best.spec if isinstance(best.spec, str) else f"{len(best.spec)}-node tree"
-    print(f"tree=auto for {args.heads} is now the {shape}, threshold=auto {best.threshold}, gate=auto {best.gate}, "
+    print(f"tree=auto for {path} is now the {shape}, threshold=auto {best.threshold}, gate=auto {best.gate}, "
           f"lookup=auto {best.lookup}")
     return 0
+
+
+def _repick(args) -> int:
+    """--recorded: apply ``pick`` again to the candidates the last tune-tree run timed (config.json only)."""
+    import json
+    import os
+    import tempfile
+
+    cfg_path = Path(args.heads) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{args.heads} is not a heads directory")
+    raw = json.loads(cfg_path.read_text())
+    search = (raw.get("extra") or {}).get("tree_search")
+    if not search or not search.get("candidates"):
+        raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
+    fields = set(Candidate.__dataclass_fields__)
+    cands = [Candidate(**{**{k: v for k, v in c.items() if k in fields},
+                          "spec": c["spec"] if isinstance(c["spec"], str) else tuple(tuple(p) for p in c["spec"])})
+             for c in search["candidates"]]
+    best = pick(cands, tolerance=args.tolerance)
+    raw["extra"] = {**raw["extra"], **_choice(best, search, args.tolerance)}
+    fd, tmp = tempfile.mkstemp(dir=cfg_path.parent, suffix=".json.tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(raw, f, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, cfg_path)
+    return _report_choice(args.heads, best)
