@@ -90,14 +90,19 @@ class ResBlock(nn.Module):
         return y if self.mlp is None else self.mlp(y)
 
 
+def head_widths(head_mlp, num_heads: int) -> list[int]:
+    """One extra-MLP width per head (0 = none): ``head_mlp`` padded with zeros to ``num_heads``."""
+    if any(w < 0 for w in head_mlp) or len(head_mlp) > num_heads:
+        raise ValueError(f"head_mlp gives one width >= 0 per head, at most {num_heads} (got {list(head_mlp)})")
+    return [int(w) for w in head_mlp] + [0] * (num_heads - len(head_mlp))
+
+
 class MedusaHeads(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, *, token_input: bool = False, head_mlp=()):
         super().__init__()
-        if any(w < 0 for w in head_mlp) or len(head_mlp) > num_heads:
-            raise ValueError(f"head_mlp gives one width >= 0 per head, at most {num_heads} (got {list(head_mlp)})")
-        widths = list(head_mlp) + [0] * (num_heads - len(head_mlp))
         self.token_input = token_input
-        self.blocks = nn.ModuleList(ResBlock(hidden_size, token_input=token_input, mlp=w) for w in widths)
+        self.blocks = nn.ModuleList(ResBlock(hidden_size, token_input=token_input, mlp=w)
+                                    for w in head_widths(head_mlp, num_heads))
 
     def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) post-norm hidden [+ (..., H) embedding of the token it produced] -> (..., K, H) LM-head inputs."""
@@ -167,12 +172,18 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
     os.close(fd)
     save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, directory / "model.safetensors")
+    os.chmod(directory / "model.safetensors", 0o644)  # mkstemp makes 0600 files; heads are meant to be shared
+    write_heads_config(directory, asdict(heads.config))
+
+
+def write_heads_config(directory: str | os.PathLike, config: dict) -> None:
+    """Replace ``directory/config.json`` atomically (also how tune-tree re-records a choice)."""
+    directory = Path(directory)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".json.tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(heads.config), f, indent=2)
+        json.dump(config, f, indent=2)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, directory / "config.json")
-    for name in ("model.safetensors", "config.json"):  # mkstemp makes 0600 files; heads are meant to be shared
-        os.chmod(directory / name, 0o644)
 
 
 def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None,

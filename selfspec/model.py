@@ -21,7 +21,7 @@ from .backbone import Backbone, config_fingerprint
 from .decode import DecodeStats, decode
 from .drafters import DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter, check_drafter_name
 from .drafters.lookup import DEFAULT_LOOKUP
-from .heads import Heads, HeadsConfig, build_heads, load_heads, save_heads
+from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, save_heads
 from .loading import load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
 from .tree import MEDUSA_DEFAULT, build_tree, chain, parse_tree
@@ -59,7 +59,7 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
         vocab_size=model.get_output_embeddings().weight.shape[0],
         num_heads=num_heads if kind == "medusa" else 0,
         token_input=token_input and kind == "medusa",
-        head_mlp=[int(w) for w in head_mlp] + [0] * (num_heads - len(head_mlp)) if kind == "medusa" and any(head_mlp) else [],
+        head_mlp=head_widths(head_mlp, num_heads) if kind == "medusa" and any(head_mlp) else [],
         exit_layer=exit_layer,
         adapter=adapter if kind == "early-exit" else "mlp",
         intermediate_size=(intermediate_size or cfg.hidden_size) if kind == "early-exit" and adapter == "mlp" else 0,

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from ..backbone import Backbone
-from ..heads import KINDS, Heads, save_heads
+from ..heads import KINDS, Heads, head_widths, save_heads
 from .losses import HeadLoss, exit_loss, medusa_loss
 
 log = logging.getLogger(__name__)
@@ -770,10 +770,6 @@ def parse_widths(text) -> list[int]:
     return widths
 
 
-def _padded(widths, n: int) -> list[int]:
-    return list(widths) + [0] * (n - len(widths))
-
-
 def load_grown(module: torch.nn.Module, init: Heads) -> None:
     """Copy ``init``'s weights into ``module``, which may give heads an extra MLP that ``init`` lacks
     (left zero-initialised, so the warm start begins with exactly what ``init`` predicts)."""
@@ -787,7 +783,7 @@ def _check_init_shape(init: Heads, mine: Heads, path: str) -> None:
     diffs = [f"{k} {getattr(init.config, k)} (this run: {getattr(mine.config, k)})" for k in keys
              if getattr(init.config, k) != getattr(mine.config, k)]
     n = mine.config.num_heads
-    old, new = _padded(init.config.head_mlp, n), _padded(mine.config.head_mlp, n)
+    old, new = head_widths(init.config.head_mlp, n), head_widths(mine.config.head_mlp, n)
     if any(o and o != w for o, w in zip(old, new)):  # growing a head (0 -> w) is fine; changing a trained MLP is not
         diffs.append(f"head_mlp {init.config.head_mlp} (this run: {mine.config.head_mlp})")
     if diffs:
@@ -828,9 +824,8 @@ def _check_compatible(saved: dict, *, config: TrainConfig, vocab, fingerprint: s
             "draft_vocab_size", "lora")
     defaults = TrainConfig()
     before = {"token_input": False}  # runs saved before a field existed had the old behaviour, not today's default
-    norm = {"head_mlp": parse_widths}
-    diffs = [k for k in keys if norm.get(k, lambda v: v)(old.get(k, before.get(k, getattr(defaults, k))))
-             != norm.get(k, lambda v: v)(getattr(config, k))]
+    value = lambda k, v: parse_widths(v) if k == "head_mlp" else v  # noqa: E731  ("1024,1024" == "1024, 1024")
+    diffs = [k for k in keys if value(k, old.get(k, before.get(k, getattr(defaults, k)))) != value(k, getattr(config, k))]
     if saved["fingerprint"] != fingerprint:
         diffs.append("base model")
     old_vocab = saved["vocab"]

@@ -19,6 +19,7 @@ fraction as recorded in the heads), so nothing is tuned on the evaluation prompt
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -210,8 +211,6 @@ def run_tune(args) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else None)
     p = loaded.model.get_output_embeddings().weight
-    import json
-
     kind = json.loads((Path(args.heads) / "config.json").read_text())["kind"] if (Path(args.heads) / "config.json").is_file() else None
     if kind is None:
         raise ValueError(f"{args.heads} is not a heads directory")
@@ -249,9 +248,7 @@ def _report_choice(path: str, best: Candidate) -> int:
 
 def _repick(args) -> int:
     """--recorded: apply ``pick`` again to the candidates the last tune-tree run timed (config.json only)."""
-    import json
-    import os
-    import tempfile
+    from ..heads import write_heads_config
 
     cfg_path = Path(args.heads) / "config.json"
     if not cfg_path.is_file():
@@ -266,9 +263,5 @@ def _repick(args) -> int:
              for c in search["candidates"]]
     best = pick(cands, tolerance=args.tolerance)
     raw["extra"] = {**raw["extra"], **_choice(best, search, args.tolerance)}
-    fd, tmp = tempfile.mkstemp(dir=cfg_path.parent, suffix=".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(raw, f, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, cfg_path)
+    write_heads_config(cfg_path.parent, raw)
     return _report_choice(args.heads, best)
