@@ -13,16 +13,11 @@ from selfspec.backbone import Backbone, config_fingerprint
 from selfspec.decode import decode
 from selfspec.drafters import DraftModelDrafter
 from selfspec.sampling import SamplingParams
-from selfspec.training.draft import (
-    META_FILE,
-    DraftConfig,
-    draft_loss,
-    make_student,
-    materialize_draft,
-    trained_names,
-    train_draft,
-)
-from selfspec.training.train import STATE_FILE, collate, target_view, to_sequences
+from selfspec.training.checkpoint import STATE_FILE
+from selfspec.training.draft import DraftConfig, materialize_draft, train_draft
+from selfspec.training.features import target_view
+from selfspec.training.split import collate, to_sequences
+from selfspec.training.tasks.draft import META_FILE, draft_loss, make_student, trained_names
 from selfspec.tree import build_tree, chain
 
 V = 97

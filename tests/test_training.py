@@ -11,7 +11,9 @@ from selfspec.backbone import config_fingerprint
 from selfspec.heads import load_heads
 from selfspec.model import SelfSpeculativeModel
 from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
-from selfspec.training.train import STATE_FILE, TrainConfig, collate, frequent_vocab, to_sequences, train_heads
+from selfspec.training.checkpoint import STATE_FILE
+from selfspec.training.split import collate, frequent_vocab, to_sequences
+from selfspec.training.train import TrainConfig, train_heads
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path, monkeypatch):
@@ -328,7 +330,8 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
 
 @pytest.mark.parametrize("kind,adapter", [("medusa", "mlp"), ("early-exit", "layer")])
 def test_cached_features_give_the_losses_of_a_live_backbone_pass(tmp_path, kind, adapter):
-    from selfspec.training.train import evaluate, extract_features, feature_cache_path, target_view
+    from selfspec.training.features import extract_features, feature_cache_path, target_view
+    from selfspec.training.tasks import HEAD_TASKS
 
     torch.set_num_threads(1)
     model = tiny_model(seed=3)
@@ -344,9 +347,9 @@ def test_cached_features_give_the_losses_of_a_live_backbone_pass(tmp_path, kind,
     target = target_view(model, vocab=None, exit_layer=2 if kind == "early-exit" else None)
     feats = extract_features(model, seqs, exit_layer=2, batch_size=3, device="cpu", progress=False)
     assert feature_cache_path(model, seqs, exit_layer=2).is_file()
-    live = evaluate(heads.module, target, seqs, config=cfg, device="cpu", step=0)
-    cached = evaluate(heads.module, target, seqs, config=cfg, device="cpu", step=0, features=feats,
-                      feature_ids=list(range(len(seqs))))
+    task = HEAD_TASKS[kind](cfg, target=target, device="cpu")
+    live = task.evaluate(heads.module, seqs, step=0)
+    cached = task.evaluate(heads.module, seqs, step=0, features=feats, feature_ids=list(range(len(seqs))))
     assert cached.loss == pytest.approx(live.loss, rel=2e-2, abs=1e-3)   # float16 storage, nothing else
     assert cached.top1 == pytest.approx(live.top1, abs=0.05)
     again = extract_features(model, seqs, exit_layer=2, batch_size=3, device="cpu", progress=False)
@@ -354,41 +357,42 @@ def test_cached_features_give_the_losses_of_a_live_backbone_pass(tmp_path, kind,
 
 
 def test_feature_cache_is_chunked_so_appended_data_reuses_earlier_chunks(tmp_path, monkeypatch):
-    import selfspec.training.train as train_mod
+    import selfspec.training.features as features_mod
 
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
-    monkeypatch.setattr(train_mod, "FEATURE_CHUNK", 3)
+    monkeypatch.setattr(features_mod, "FEATURE_CHUNK", 3)
     torch.set_num_threads(1)
     model = tiny_model(seed=3)
     seqs = to_sequences(_self_generated(model, n=10, new=6), max_len=1024)
-    first = train_mod.extract_features(model, seqs[:6], exit_layer=2, batch_size=4, device="cpu", progress=False)
+    first = features_mod.extract_features(model, seqs[:6], exit_layer=2, batch_size=4, device="cpu", progress=False)
     files = {p: p.stat().st_mtime_ns for p in (tmp_path / "features").iterdir()}
     assert len(files) == 2
-    grown = train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", progress=False)
+    grown = features_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", progress=False)
     after = {p: p.stat().st_mtime_ns for p in (tmp_path / "features").iterdir()}
     assert len(after) == 2 + 2 and all(after[p] == t for p, t in files.items())  # old chunks untouched
     assert all(torch.equal(a, b) for a, b in zip(first.final, grown.final[:6]))
     for a, s in zip(grown.exit, seqs):
         assert a.shape == (len(s.ids), model.config.hidden_size)
-    bf16 = train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="bfloat16", progress=False)
+    bf16 = features_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="bfloat16", progress=False)
     assert len(list((tmp_path / "features").iterdir())) == 4 + 4  # another precision, another key
     for a, b in zip(grown.final, bf16.final):
         assert (a.float() - b.float()).abs().max() < 0.1 * a.float().abs().max()
         assert not torch.equal(a, b)
     with pytest.raises(ValueError, match="feature dtype"):
-        train_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="float16", progress=False)
+        features_mod.extract_features(model, seqs, exit_layer=2, batch_size=4, device="cpu", dtype="float16", progress=False)
 
 
 def test_token_input_heads_see_the_same_root_in_training_eval_and_tree_tuning(tmp_path):
     """Training (window + next_tokens) and tune-tree (explicit indexing) pick the root independently:
     with random token weights, their head-k top-1 accuracies agree only if both feed x[t + 1]."""
     from selfspec.model import untrained_heads
-    from selfspec.training.train import evaluate, target_view
+    from selfspec.training.features import target_view
+    from selfspec.training.tasks import MedusaTask
     from selfspec.training.tune import medusa_rank_accuracy
 
     torch.set_num_threads(1)
     model = tiny_model(seed=4)
-    from selfspec.training.train import Sequence
+    from selfspec.training.split import Sequence
 
     # Wholly self-generated (one-token prompts, response from position 1): both count the same
     # positions, and the data's tokens are the teacher's argmax.
@@ -398,7 +402,7 @@ def test_token_input_heads_see_the_same_root_in_training_eval_and_tree_tuning(tm
         for block in heads.module.blocks:
             block.token.weight.copy_(torch.randn(block.token.weight.shape, generator=torch.Generator().manual_seed(5)))
     cfg = _cfg(tmp_path, "r", kind="medusa", num_heads=3, batch_size=2)
-    ev = evaluate(heads.module, target_view(model, vocab=None, exit_layer=None), seqs, config=cfg, device="cpu", step=0)
+    ev = MedusaTask(cfg, target=target_view(model, vocab=None, exit_layer=None), device="cpu").evaluate(heads.module, seqs, step=0)
     ranks = medusa_rank_accuracy(model, heads, seqs, max_rank=1)
     assert [r[0] for r in ranks] == pytest.approx(ev.top1, abs=1e-6)
     assert 0 < ev.top1[0] < 1  # the token weights matter: neither all right nor all wrong
@@ -409,7 +413,7 @@ def test_token_input_heads_see_the_same_root_in_training_eval_and_tree_tuning(tm
 def test_rank_accuracy_skips_heads_a_short_response_cannot_reach():
     """A response of one or two tokens gives deeper heads no target; it must count nothing for them, not fail."""
     from selfspec.model import untrained_heads
-    from selfspec.training.train import Sequence
+    from selfspec.training.split import Sequence
     from selfspec.training.tune import medusa_rank_accuracy
 
     torch.set_num_threads(1)
@@ -564,7 +568,7 @@ def test_held_out_split_over_several_directories_is_pinned_per_directory(tmp_pat
 
 
 def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_path):
-    from selfspec.training.train import recorded_split
+    from selfspec.training.split import recorded_split
     from selfspec.training.tune import heldout_sequences
 
     model, data, first, answer = _grown_data_run(tmp_path, n_rows=40, first=20, steps=3, draft_vocab_size=16,

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from ..backbone import Backbone, config_fingerprint
 from ..heads import ExitLayerHead, load_heads
 from .data import data_dirs
-from .train import Sequence, to_sequences
+from .split import Sequence, to_sequences
 from .tune import heldout_sequences, medusa_rank_accuracy, rank_of
 
 

@@ -15,7 +15,7 @@ distribution for the token at position ``s + 1``.
 term at t counts when its target row ``t + k + 1`` (``t`` for exit) exists and is marked.
 
 Restricted vocabulary: heads may score only a subset ``vocab`` (V_sub,) of token ids (the draft
-vocabulary; see ``selfspec.training.train.frequent_vocab``). The teacher is then the target's
+vocabulary; see ``selfspec.training.split.frequent_vocab``). The teacher is then the target's
 distribution *restricted to the subset and renormalised*, i.e. the softmax of the target logits
 over those columns. Why renormalise rather than keep the missing mass: the heads cannot propose
 an out-of-subset token anyway, so the best they can do is rank the in-subset tokens as the target

@@ -35,7 +35,7 @@ from ..heads import Heads, load_heads, save_heads
 from ..sampling import SamplingParams
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .losses import to_subset_ids
-from .train import Sequence, recorded_split
+from .split import Sequence, recorded_split
 
 MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")

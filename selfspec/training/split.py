@@ -1,0 +1,161 @@
+"""The training data side: sequences, the held-out split, batches and the draft vocabulary.
+
+Batches are a pure function of (seed, step), so a resumed run sees the batches an uninterrupted run
+would have; the held-out split of a finished run can be rebuilt from what its heads recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..heads import Heads
+
+
+@dataclass(frozen=True)
+class Sequence:
+    ids: torch.Tensor        # (L,) int64: prompt then response
+    response_start: int
+
+
+@dataclass
+class Batch:
+    """One padded micro-batch and the window of rows that carry training signal."""
+
+    input_ids: torch.Tensor       # (B, L) right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    window: torch.Tensor          # (B, W) positions (into L) the heads read
+    mask: torch.Tensor            # (B, W) bool: the target row at that position is a response row
+    next_tokens: torch.Tensor     # (B, W) the token that followed each window position
+
+
+def frequent_vocab(dataset, size: int, *, vocab_size: int, eos_token_ids=()) -> torch.Tensor | None:
+    """The ``size`` most frequent response token ids (EOS always included), sorted; None = full vocabulary.
+
+    A draft vocabulary: the heads score only these rows of the LM head, which makes their training
+    and drafting much cheaper (the full LM head dominates both), at the cost of never proposing a
+    rare token. Ties go to the smaller id, so the result is a pure function of the data.
+    """
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, start in zip(dataset["input_ids"], dataset["response_start"]):
+        counts += torch.bincount(torch.as_tensor(ids[start:], dtype=torch.int64), minlength=vocab_size)
+    forced = sorted({int(e) for e in eos_token_ids if 0 <= int(e) < vocab_size})
+    counts[forced] = torch.iinfo(torch.int64).max  # EOS first: a draft must be able to end
+    order = torch.sort(-counts, stable=True).indices  # stable: ties keep ascending ids
+    return order[:size].sort().values
+
+
+def to_sequences(dataset, *, max_len: int) -> list[Sequence]:
+    """Rows with at least one response token, each cut to its last ``max_len`` tokens."""
+    out = []
+    for ids, start in zip(dataset["input_ids"], dataset["response_start"]):
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        cut = max(0, len(ids) - max_len)
+        start = max(int(start) - cut, 1)  # position 0 has no target row before it
+        if start < len(ids):
+            out.append(Sequence(ids=ids[cut:], response_start=start))
+    return out
+
+
+def split_eval(n: int, *, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) indices: a seeded random ``fraction`` is held out (at least one when n > 1 and fraction > 0)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = 0 if fraction <= 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def content_key(s: Sequence) -> tuple[bytes, int]:
+    """What identifies a sequence across data directories: its tokens and where its response starts."""
+    return s.ids.numpy().tobytes(), s.response_start
+
+
+def recorded_split(data_dir: str, heads: Heads) -> tuple[list[Sequence], list[Sequence]]:
+    """(trained on, held out): the split of the run that produced ``heads``, rebuilt from what it recorded.
+
+    Data directories only grow by appended shards, so a run's rows are the first ``rows[i]`` of each
+    directory now; the split is recomputed over exactly those, never over rows added later (which
+    would move training sequences into the "held-out" set). A warm-started run records its held-out
+    rows outright (``held_out_rows``: its split keeps its init's, see :func:`warm_split`). Heads saved
+    before per-directory row counts were recorded carry only a sequence count, which pins a single
+    directory the same way.
+    """
+    from .data import load_distillation_data
+
+    extra = heads.config.extra or {}
+    tc = extra.get("train_config") or {}
+    rows = extra.get("rows")
+    seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
+    if rows is None:
+        n = extra.get("sequences", len(seqs))
+        if n > len(seqs):
+            raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
+                             "pass the data directory they were trained on")
+        seqs = seqs[:n]
+    held = extra.get("held_out_rows")
+    if held is None:
+        _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
+    held_set = set(held)
+    return [s for i, s in enumerate(seqs) if i not in held_set], [seqs[i] for i in held]
+
+
+def warm_split(seqs: list[Sequence], eval_idx: list[int], init: Heads) -> tuple[list[int], list[int]]:
+    """(train, eval) indices for a run warm-started from ``init``: whatever ``init`` held out stays held
+    out, and whatever it trained on is never scored as held-out. Sequences are matched by content,
+    so the init's data may sit anywhere in this run's (larger) data."""
+    data = (init.config.extra or {}).get("data")
+    if not data:
+        raise ValueError("the --init heads do not record their training data, so their held-out split cannot be kept: "
+                         "train from scratch instead")
+    init_train, init_held = recorded_split(data, init)
+    trained, held = {content_key(s) for s in init_train}, {content_key(s) for s in init_held}
+    chosen = set(eval_idx)
+    keys = [content_key(s) for s in seqs]
+    eval_new = [i for i, k in enumerate(keys) if k in held or (i in chosen and k not in trained)]
+    eval_set = set(eval_new)
+    return [i for i in range(len(seqs)) if i not in eval_set], eval_new
+
+
+def batch_indices(n: int, *, micro_step: int, batch_size: int, seed: int) -> list[int]:
+    """Indices for global micro-batch ``micro_step``: consecutive slices of per-epoch permutations.
+
+    A pure function of (seed, micro_step), so resuming needs nothing but the step counter.
+    """
+    out, offset = [], micro_step * batch_size
+    while len(out) < batch_size:
+        epoch, pos = divmod(offset, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        take = perm[pos : pos + batch_size - len(out)].tolist()
+        out += take
+        offset += len(take)
+    return out
+
+
+def collate(seqs: list[Sequence], *, lead: int, pad_id: int = 0) -> Batch:
+    """Right-pad and pick each sequence's window.
+
+    Target rows with signal are s in [start - 1, L - 2] (they predict the response tokens). The
+    heads at position t learn from rows up to t + lead (lead = K for Medusa's last head, 0 for
+    exit), so the window runs from max(start - 1 - lead, 0) to L - 2.
+    """
+    B, L = len(seqs), max(len(s.ids) for s in seqs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((B, L), dtype=torch.int64)
+    starts, ends = [], []
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s.ids)] = s.ids
+        attention_mask[i, : len(s.ids)] = 1
+        starts.append(max(s.response_start - 1 - lead, 0))
+        ends.append(len(s.ids) - 1)  # exclusive: row L - 1 predicts past the end
+    W = max(e - b for b, e in zip(starts, ends))
+    start_t, end_t = torch.tensor(starts)[:, None], torch.tensor(ends)[:, None]
+    pos = start_t + torch.arange(W)[None]  # (B, W)
+    rs = torch.tensor([s.response_start for s in seqs])[:, None]
+    mask = (pos >= rs - 1) & (pos < end_t)
+    window = pos.clamp(max=L - 1)
+    next_tokens = input_ids.gather(1, (window + 1).clamp(max=L - 1))
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, window=window, mask=mask, next_tokens=next_tokens)

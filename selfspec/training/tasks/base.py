@@ -1,0 +1,52 @@
+"""The interface a kind of trained module implements to run under the shared loop (``loop.fit``).
+
+A task owns everything kind-specific: how wide a window its loss reads (``lead``), the loss of a
+micro-batch, the held-out evaluation, the tensors it keeps in ``trainer_state.pt`` and the
+artefact it saves. Batching, the optimizer, resume and the checkpoint cadence are the loop's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ..features import FeatureCache
+from ..loop import EvalResult
+from ..losses import HeadLoss
+from ..split import Batch, Sequence
+
+
+class Task(ABC):
+    """One kind of trained module (Medusa heads, an exit head, a distilled draft, ...)."""
+
+    eval_class: ClassVar[type[EvalResult]] = EvalResult  # what ``evaluate`` returns; resume rebuilds the history with it
+
+    @property
+    @abstractmethod
+    def lead(self) -> int:
+        """How many target rows past a window position the loss reads (``collate``'s ``lead``)."""
+
+    @abstractmethod
+    def loss(self, module: torch.nn.Module, batch: Batch, *,
+             features: tuple[torch.Tensor, torch.Tensor] | None = None) -> HeadLoss:
+        """The micro-batch's loss. ``features``: the cached (final post-norm, after the exit layer)
+        backbone states of the batch, each (B, L, H), standing in for a backbone forward; None: run it."""
+
+    @abstractmethod
+    def evaluate(self, module: torch.nn.Module, seqs: list[Sequence], *, step: int,
+                 autocast=contextlib.nullcontext, features: FeatureCache | None = None,
+                 feature_ids: list[int] | None = None) -> EvalResult | None:
+        """Held-out scores of ``module`` on ``seqs`` (None when there are none); ``feature_ids``
+        index ``seqs`` into ``features``."""
+
+    @abstractmethod
+    def state_entries(self, module: torch.nn.Module) -> dict:
+        """This kind's entries in ``trainer_state.pt``: its trained tensors (CPU) and what its resume check reads."""
+
+    @abstractmethod
+    def save(self, module: torch.nn.Module, out: Path, *, record: dict) -> None:
+        """Write the usable artefact into ``out``; ``record`` describes the run (data, step, last eval, config)."""

@@ -1,0 +1,50 @@
+"""Warm start for train-heads (``--init``): begin from a trained heads directory instead of fresh heads.
+
+The new heads must have the init's shape, except that heads may grow an extra MLP the init lacks
+(zero-initialised, so training begins from exactly what the init predicts). The init's draft
+vocabulary and held-out split are kept (``split.warm_split``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..heads import Heads, head_widths
+from .checkpoint import STATE_FILE
+
+
+def load_init(path: str, *, kind: str, model) -> Heads:
+    """The heads in ``path``, with the fp32 weights of its trainer state when it has one
+    (model.safetensors may be stored in float16). Their shape is checked once this run's heads exist."""
+    from ..backbone import config_fingerprint
+    from ..heads import load_heads
+
+    heads = load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config), model=model)
+    state = Path(path) / STATE_FILE
+    if state.is_file():
+        heads.module.load_state_dict(torch.load(state, map_location="cpu", weights_only=True)["heads"])
+    heads.module.float()
+    return heads
+
+
+def check_init_shape(init: Heads, mine: Heads, path: str) -> None:
+    """Refuse an init whose heads differ from this run's in anything but MLPs this run adds."""
+    keys = ("num_heads", "token_input", "exit_layer", "adapter", "intermediate_size")
+    diffs = [f"{k} {getattr(init.config, k)} (this run: {getattr(mine.config, k)})" for k in keys
+             if getattr(init.config, k) != getattr(mine.config, k)]
+    n = mine.config.num_heads
+    old, new = head_widths(init.config.head_mlp, n), head_widths(mine.config.head_mlp, n)
+    if any(o and o != w for o, w in zip(old, new)):  # growing a head (0 -> w) is fine; changing a trained MLP is not
+        diffs.append(f"head_mlp {init.config.head_mlp} (this run: {mine.config.head_mlp})")
+    if diffs:
+        raise ValueError(f"--init {path} has {', '.join(diffs)}: pass matching flags, or drop --init")
+
+
+def load_grown(module: torch.nn.Module, init: Heads) -> None:
+    """Copy ``init``'s weights into ``module``, which may give heads an extra MLP that ``init`` lacks
+    (left zero-initialised, so the warm start begins with exactly what ``init`` predicts)."""
+    missing, unexpected = module.load_state_dict(init.module.state_dict(), strict=False)
+    if unexpected or any(".mlp." not in k for k in missing):
+        raise ValueError(f"cannot warm-start from heads of another shape (missing {missing[:2]}, unexpected {unexpected[:2]})")
