@@ -67,12 +67,12 @@ def cmd_generate(args) -> int:
     from .model import SelfSpeculativeModel
 
     heads = args.heads
-    if heads is None and args.drafter in ("medusa", "early-exit"):
+    if heads is None and args.drafter in ("medusa", "early-exit", "eagle"):
         heads = shipped_heads(args.model, args.drafter)
     if args.draft_model is not None and args.drafter != "draft-model":
         raise ValueError("--draft-model only applies to --drafter draft-model")
-    if args.heads is not None and args.drafter not in ("medusa", "early-exit"):
-        raise ValueError("--heads only applies to --drafter medusa or early-exit")
+    if args.heads is not None and args.drafter not in ("medusa", "early-exit", "eagle"):
+        raise ValueError("--heads only applies to --drafter medusa, early-exit or eagle")
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":
         draft_model = shipped_draft(args.model)
@@ -106,15 +106,15 @@ def add_generate(sub) -> None:
     p.add_argument("--drafter", default="medusa", choices=list(DRAFTERS))
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped checkpoint for the demo model)")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft-model")
-    p.add_argument("--tree", default="auto", help="auto | chain-K | chain-K-wW")
+    p.add_argument("--tree", default="auto", help="auto | chain-K | chain-K-wW | eagle: dynamic-D-K-M")
     p.add_argument("--threshold", default="auto",
-                   help="medusa / early-exit: propose only tree nodes whose draft path probability is >= this "
+                   help="medusa / early-exit / eagle: propose only tree nodes whose draft path probability is >= this "
                         "(0 = the whole tree; auto = the value tune-tree measured fastest). Output is unchanged")
     p.add_argument("--gate", default="auto",
                    help="medusa: propose nothing in a step whose tree the heads expect fewer than this many tokens "
                         "accepted from (0 = always propose; auto = as tuned). Output is unchanged")
     p.add_argument("--lookup", default="auto",
-                   help="medusa, greedy: also propose up to this many tokens copied from where the context's last "
+                   help="medusa / eagle: also propose up to this many tokens copied from where the context's last "
                         "tokens occurred before (0 = off; auto = as tuned). Output is unchanged")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")

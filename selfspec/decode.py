@@ -72,34 +72,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _all_layers(backbone: Backbone, h, *, position_ids, mask, cache, capture: int | None):
-    """layers[0:N], split at ``capture`` when a drafter wants those hidden states too (same cost)."""
-    if capture is None:
-        return backbone.run_layers(h, start=0, end=backbone.num_layers, position_ids=position_ids,
-                                   attention_mask=mask, cache=cache), None
-    mid = backbone.run_layers(h, start=0, end=capture, position_ids=position_ids, attention_mask=mask, cache=cache)
-    return backbone.run_layers(mid, start=capture, end=backbone.num_layers, position_ids=position_ids,
-                               attention_mask=mask, cache=cache), mid
+def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, capture: tuple[int, ...]):
+    """layers[start:N], split at the ``capture`` points a drafter wants hidden states after (same cost).
+
+    Returns (last hidden, captured states in ``capture`` order, each (1, n, H))."""
+    got: dict[int, torch.Tensor] = {start: h}   # capturing ``start`` itself: the input
+    at = start
+    for stop in sorted({c for c in capture if c > start}) + [backbone.num_layers]:
+        h = backbone.run_layers(h, start=at, end=stop, position_ids=position_ids, attention_mask=mask, cache=cache)
+        got[stop], at = h, stop
+    return h, tuple(got[c] for c in capture)
 
 
-def prefill(backbone: Backbone, cache, prompt: torch.Tensor, *, capture: int | None = None) -> TargetOut:
+def prefill(backbone: Backbone, cache, prompt: torch.Tensor, *, capture: tuple[int, ...] = ()) -> TargetOut:
     """Run the prompt (n,) through the full target; logits only for the last position."""
     # No mask: with an empty cache sdpa applies plain causal attention.
-    h, mid = _all_layers(backbone, backbone.embed(prompt), mask=None, cache=cache, capture=capture,
-                         position_ids=torch.arange(prompt.shape[0], device=prompt.device)[None])
+    h, mid = _layers(backbone, backbone.embed(prompt), start=0, mask=None, cache=cache, capture=capture,
+                     position_ids=torch.arange(prompt.shape[0], device=prompt.device)[None])
     normed = backbone.final_norm(h[:, -1:])
     return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
 
 
-def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: int | None = None) -> TargetOut:
+def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:
     """ONE full-depth target pass over every tree node. Returns logits/hidden (n, V)/(n, H)."""
     tree, tokens = draft.tree, draft.tokens.to(backbone.device)
     positions = tree.position_ids(past_len)
     # A lone root sees the whole cache: no mask needed (and sdpa takes its fast path).
     mask = tree.attention_mask(past_len, dtype=backbone.dtype) if tree.size > 1 else None
     if draft.resume is None:
-        h, mid = _all_layers(backbone, backbone.embed(tokens), position_ids=positions, mask=mask, cache=cache,
-                             capture=capture)
+        h, mid = _layers(backbone, backbone.embed(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
+                         capture=capture)
     else:
         # The drafter already ran layers[0:E] for the first m nodes (their KV is cached):
         # run those layers for the rest only, then layers[E:] for all nodes.
@@ -109,9 +111,9 @@ def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, ca
             rest = backbone.run_layers(backbone.embed(tokens[m:]), start=0, end=E, position_ids=positions[:, m:],
                                        attention_mask=None if mask is None else mask[:, :, m:], cache=cache)
             h = torch.cat([h, rest], dim=1)
-        mid = h if capture == E else None
-        h = backbone.run_layers(h, start=E, end=backbone.num_layers, position_ids=positions,
-                                attention_mask=mask, cache=cache)
+        if any(c < E for c in capture):
+            raise ValueError(f"a drafter that resumes at layer {E} cannot capture earlier layers {capture}")
+        h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture)
     normed = backbone.final_norm(h)
     return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
 
@@ -123,7 +125,7 @@ def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torc
     p = probs_from_logits(out.logits, params)
     if draft.q is None:  # nothing drafted: a plain sampling step
         return Accepted(path=(0,), bonus=int(sample(p[0], generator)))
-    return rejection_accept_tree(draft.tree, tokens, p, draft.q.to(p.device), draft.tree.depths,
+    return rejection_accept_tree(draft.tree, tokens, p, draft.q.to(p.device), draft.q_rows().to(p.device),
                                  generator=generator)
 
 
@@ -155,7 +157,7 @@ def decode(
     _sync(dev)
     t0 = time.perf_counter()
     state = DecodeState(ids=prompt.tolist(), cache=kv.new_cache(), params=params, generator=generator)
-    out = prefill(backbone, state.cache, prompt.to(dev), capture=drafter.capture_layer)
+    out = prefill(backbone, state.cache, prompt.to(dev), capture=drafter.capture_layers)
     first = int(out.logits[-1].argmax()) if not params.do_sample else int(
         sample(probs_from_logits(out.logits[-1], params), generator))
     state.ids.append(first)
@@ -173,7 +175,7 @@ def decode(
         _sync(dev)
         t2 = time.perf_counter()
         out = verify_forward(backbone, state.cache, state.past_len, draft,
-                             capture=drafter.capture_layer)                       # VERIFY
+                             capture=drafter.capture_layers)                       # VERIFY
         accepted = accept(draft, out, params, generator)                          # ACCEPT
         committed = commit(state, draft, accepted)                                # COMMIT
         drafter.commit(state, accepted, out)

@@ -7,6 +7,9 @@
   gives chosen heads a second, wider residual MLP after the block: more capacity where the
   single block underfits. Everything is zero-initialised, so an untrained head repeats the
   target's own next-token prediction, and adding the MLP to trained heads keeps what they do.
+* ``EagleHead`` (``models/eagle.py``): one decoder layer over the target's fused low/mid/high
+  features and the next token's embedding, drafting autoregressively (EAGLE-3 design), with its
+  own LM head over a draft vocabulary.
 * ``ExitHead``: a residual MLP on the hidden state after decoder layer E, followed by the
   target's final norm and LM head. Zero-initialised: untrained, it *is* plain early exit.
 
@@ -29,7 +32,7 @@ from torch import nn
 
 from . import __version__
 
-KINDS = ("medusa", "early-exit")
+KINDS = ("medusa", "early-exit", "eagle")
 
 
 @dataclass
@@ -44,7 +47,13 @@ class HeadsConfig:
     head_mlp: list = field(default_factory=list)  # medusa: width of head k's extra residual MLP (0 or absent = none)
     exit_layer: int | None = None   # early-exit
     adapter: str = "mlp"            # early-exit adapter: "mlp" (residual MLP) or "layer" (a decoder layer)
-    intermediate_size: int = 0      # early-exit "mlp" adapter width
+    intermediate_size: int = 0      # early-exit "mlp" adapter width; eagle: the layer's MLP width
+    aux_layers: list = field(default_factory=list)  # eagle: target hidden states after these layers feed the head
+    attn_heads: int = 0             # eagle: attention shape of its one layer (the target's by default)
+    kv_heads: int = 0
+    head_dim: int = 0
+    rms_eps: float = 1e-6
+    shared_lm_head: bool = False    # eagle: the LM head is the target's own rows (draft vocabulary), frozen and not stored
     draft_vocab_size: int = 0       # 0 = the full vocabulary; else heads score only `draft_vocab` tokens
     lora: dict | None = None        # set when the backbone was fine-tuned with the heads (Medusa-2): output changes
     storage_dtype: str = "float32"  # how model.safetensors stores floating tensors (float16 halves a checkpoint)
@@ -144,6 +153,13 @@ def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
     if config.kind == "medusa":
         return MedusaHeads(config.hidden_size, config.num_heads, token_input=config.token_input,
                            head_mlp=config.head_mlp)
+    if config.kind == "eagle":
+        from .models.eagle import EagleHead
+
+        return EagleHead(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                         num_heads=config.attn_heads, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
+                         num_aux=len(config.aux_layers), draft_vocab_size=config.draft_vocab_size or config.vocab_size,
+                         eps=config.rms_eps)
     if config.kind == "early-exit" and config.adapter == "layer":
         if model is None:
             raise ValueError("a 'layer' exit adapter is built from the target model: pass model=")
@@ -157,6 +173,11 @@ def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
     raise ValueError(f"unknown heads kind {config.kind!r}: expected one of {', '.join(KINDS)}")
 
 
+def shared_tensors(config: HeadsConfig) -> set[str]:
+    """Module tensors that are copies of the target's and so are not stored (rebuilt at load)."""
+    return {"lm_head.weight"} if config.kind == "eagle" and config.shared_lm_head else set()
+
+
 def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
     """Write config.json + model.safetensors atomically (temporary files, then rename)."""
     directory = Path(directory)
@@ -165,7 +186,7 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
     if store is None:
         raise ValueError(f"storage_dtype must be float32, float16 or bfloat16 (got {heads.config.storage_dtype!r})")
     tensors = {k: (v.to(store) if v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in heads.module.state_dict().items()}
+               for k, v in heads.module.state_dict().items() if k not in shared_tensors(heads.config)}
     if heads.draft_vocab is not None:
         tensors["draft_vocab"] = heads.draft_vocab.detach().cpu().to(torch.int64)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".safetensors.tmp")
@@ -205,7 +226,19 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
     tensors = load_file(directory / "model.safetensors")
     draft_vocab = tensors.pop("draft_vocab", None)
     module = build_heads(config, model=model)
-    module.load_state_dict(tensors)  # copies into the module's own (float32) parameters
+    shared = shared_tensors(config)
+    if shared:
+        if model is None:
+            raise ValueError(f"{directory} shares the target's LM head: pass model= to load it")
+        from .backbone import Backbone
+        from .models.eagle import init_from_target
+
+        init_from_target(module, Backbone(model), draft_vocab)
+    missing = set(module.state_dict()) - set(tensors) - shared
+    if missing or set(tensors) - set(module.state_dict()):
+        raise ValueError(f"{directory}/model.safetensors does not match its config.json (missing or unexpected tensors: "
+                         f"{', '.join(sorted(missing | (set(tensors) - set(module.state_dict()))))}): retrain or re-export the heads")
+    module.load_state_dict(tensors, strict=False)  # copies into the module's own (float32) parameters
     module.to(device=device, dtype=dtype).eval()
     if draft_vocab is not None:
         draft_vocab = draft_vocab.to(device)

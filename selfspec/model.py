@@ -19,9 +19,12 @@ import torch
 
 from .backbone import Backbone, config_fingerprint
 from .decode import DecodeStats, decode
-from .drafters import DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter, check_drafter_name
+from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
+                       check_drafter_name)
+from .drafters.eagle import DEFAULT_EAGLE_TREE, parse_dynamic_tree
 from .drafters.lookup import DEFAULT_LOOKUP
 from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, save_heads
+from .models.eagle import default_aux_layers, init_from_target
 from .loading import load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
 from .tree import MEDUSA_DEFAULT, build_tree, chain, parse_tree
@@ -43,13 +46,15 @@ class GenerateOutput:
 
 def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM_HEADS,
                     exit_layer: int | None = None, adapter: str = "mlp", intermediate_size: int = 0,
-                    token_input: bool = False, head_mlp=()) -> Heads:
+                    token_input: bool = False, head_mlp=(), aux_layers=None, draft_vocab: torch.Tensor | None = None) -> Heads:
     """Initial heads: Medusa heads repeat the target's next token; an untrained exit adapter is plain early exit.
 
     token_input: Medusa heads that also read the root token's embedding (see heads.py).
     head_mlp: Medusa: width of each head's extra residual MLP (0 = none; heads past the list get none).
     adapter: "mlp" (residual MLP, width ``intermediate_size`` or the hidden size) or "layer" (a copy of
     decoder layer E with its residual writes zeroed).
+    aux_layers / draft_vocab: eagle: the target layers whose hidden states feed the head (default low/mid/high)
+    and the token ids its LM head scores (None: all); it starts from the target's LM head and norm.
     """
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -64,8 +69,20 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
         adapter=adapter if kind == "early-exit" else "mlp",
         intermediate_size=(intermediate_size or cfg.hidden_size) if kind == "early-exit" and adapter == "mlp" else 0,
     )
+    if kind == "eagle":
+        config.aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n_layers)
+        if not config.aux_layers or not all(0 < a <= n_layers for a in config.aux_layers):
+            raise ValueError(f"eagle aux layers {config.aux_layers} must lie between 1 and {n_layers}")
+        config.attn_heads, config.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        config.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        config.intermediate_size, config.rms_eps = cfg.intermediate_size, float(cfg.rms_norm_eps)
+        config.draft_vocab_size = 0 if draft_vocab is None else int(draft_vocab.numel())
     p = model.get_output_embeddings().weight
-    return Heads(config=config, module=build_heads(config, model=model).to(device=p.device, dtype=p.dtype).eval())
+    module = build_heads(config, model=model)
+    if kind == "eagle":
+        init_from_target(module, Backbone(model), draft_vocab)
+    return Heads(config=config, module=module.to(device=p.device, dtype=p.dtype).eval(),
+                 draft_vocab=None if draft_vocab is None else draft_vocab.to(p.device))
 
 
 def _tuned_tree(heads: Heads, fallback):
@@ -112,7 +129,7 @@ class SelfSpeculativeModel:
             self.drafter = NoDrafter(self.backbone.device)
         elif drafter_name == "lookup":
             k = DEFAULT_LOOKUP if lookup in ("auto", None) else _whole(lookup, "lookup")
-            self.drafter = LookupDrafter(self.backbone.device, lookup=k)
+            self.drafter = LookupDrafter(self.backbone.device, lookup=k, vocab_size=self.backbone.vocab_size)
         elif drafter_name == "medusa":
             # The default tree, cut to the depth these heads can fill.
             fallback = tuple(p for p in MEDUSA_DEFAULT if len(p) <= heads.config.num_heads)
@@ -126,6 +143,11 @@ class SelfSpeculativeModel:
             default = _tuned_tree(heads, parse_tree(DEFAULT_EARLY_EXIT_TREE, default=chain(4)))
             self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device),
                                             threshold=_tuned(heads, threshold, "threshold"))
+        elif drafter_name == "eagle":
+            spec = tree if tree not in ("auto", None) else (heads.config.extra or {}).get("tree", DEFAULT_EAGLE_TREE)
+            self.drafter = EagleDrafter(self.backbone, heads, **parse_dynamic_tree(spec),
+                                        threshold=_tuned(heads, threshold, "threshold"),
+                                        lookup=_tuned(heads, lookup, "lookup", int))
         else:
             default = parse_tree(DEFAULT_DRAFT_MODEL_TREE, default=chain(4))
             self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(tree, default=default), device),
@@ -150,17 +172,17 @@ class SelfSpeculativeModel:
         drafter="lookup" drafts only such copies (no heads; "auto" = 8). Output is unchanged either way.
         """
         check_drafter_name(drafter)
-        if drafter not in ("medusa", "early-exit") and threshold not in ("auto", None, 0, 0.0):
-            raise ValueError(f"threshold applies to the medusa and early-exit drafters, not {drafter!r}")
+        if drafter not in ("medusa", "early-exit", "eagle") and threshold not in ("auto", None, 0, 0.0):
+            raise ValueError(f"threshold applies to the medusa, early-exit and eagle drafters, not {drafter!r}")
         if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
             raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
-        if drafter not in ("medusa", "lookup") and lookup not in ("auto", None, 0):
-            raise ValueError(f"lookup applies to the medusa and lookup drafters only, not {drafter!r}")
+        if drafter not in ("medusa", "lookup", "eagle") and lookup not in ("auto", None, 0):
+            raise ValueError(f"lookup applies to the medusa, eagle and lookup drafters only, not {drafter!r}")
         dtype, device = resolve_dtype(dtype), resolve_device(device)
         loaded = load_model(name_or_path, dtype=dtype, device=device)
         model = loaded.model
         head_obj, draft = None, None
-        if drafter in ("medusa", "early-exit"):
+        if drafter in ("medusa", "early-exit", "eagle"):
             fp = config_fingerprint(model.config)
             p = model.get_output_embeddings().weight
             if heads is None:

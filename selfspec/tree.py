@@ -23,21 +23,53 @@ Path = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Tree:
-    paths: tuple[Path, ...]     # node i >= 1 has path paths[i - 1]
-    parents: torch.Tensor       # (n,) long; parents[0] = -1
+    """Tensors the verifier and acceptance rules read; the Python views (paths, children, node
+    paths) are derived on first use only, so a drafter that builds a new tree every step from a
+    parent array (``tree_from_parents``) pays for tensor ops alone."""
+
+    parents: torch.Tensor       # (n,) long; parents[0] = -1; parents precede children
     depths: torch.Tensor        # (n,) long; root depth 0
     ranks: torch.Tensor         # (n,) long; rank of the node among its parent's candidates (root: 0)
     ancestors: torch.Tensor     # (n, n) bool; [i, j] = j is i or an ancestor of i
-    children: tuple[tuple[int, ...], ...]  # children[i] = node ids, in rank order
-    node_paths: tuple[tuple[int, ...], ...]  # node_paths[i] = node ids from the root to i, inclusive
+
+    @functools.cached_property
+    def _parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @functools.cached_property
+    def node_paths(self) -> tuple[tuple[int, ...], ...]:
+        """node_paths[i] = node ids from the root to i, inclusive."""
+        return tuple(self.path_to(i) for i in range(self.size))
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[i] = node ids, in rank order."""
+        ranks, kids = self.ranks.tolist(), [[] for _ in range(self.size)]
+        for i, p in enumerate(self._parent_list[1:], start=1):
+            kids[p].append(i)
+        return tuple(tuple(sorted(c, key=lambda j: ranks[j])) for c in kids)
+
+    @functools.cached_property
+    def paths(self) -> tuple[Path, ...]:
+        """Node i >= 1 as its path of ranks from the root (``paths[i - 1]``)."""
+        ranks = self.ranks.tolist()
+        return tuple(tuple(ranks[j] for j in self.path_to(i)[1:]) for i in range(1, self.size))
+
+    def path_to(self, node: int) -> tuple[int, ...]:
+        """Node ids from the root to ``node``, inclusive (a walk of depth steps)."""
+        walk, parents = [], self._parent_list
+        while node >= 0:
+            walk.append(node)
+            node = parents[node]
+        return tuple(reversed(walk))
 
     @property
     def size(self) -> int:
-        return len(self.paths) + 1
+        return self.parents.shape[0]
 
-    @property
+    @functools.cached_property
     def depth(self) -> int:
-        return max((len(p) for p in self.paths), default=0)
+        return int(self.depths.max())
 
     @property
     def is_chain(self) -> bool:
@@ -88,30 +120,26 @@ def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
         parents.append(index[p[:-1]])
         depths.append(len(p))
         ranks.append(p[-1])
-    n = len(parents)
-    children = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parents[i]].append(i)
-    children = tuple(tuple(sorted(c, key=lambda j: ranks[j])) for c in children)
-    ancestors = torch.zeros(n, n, dtype=torch.bool)
-    node_paths = []
-    for i in range(n):
-        walk, j = [], i
-        while j >= 0:
-            ancestors[i, j] = True
-            walk.append(j)
-            j = parents[j]
-        node_paths.append(tuple(reversed(walk)))
-    dev = torch.device(device)
-    return Tree(
-        paths=paths,
-        parents=torch.tensor(parents, device=dev),
-        depths=torch.tensor(depths, device=dev),
-        ranks=torch.tensor(ranks, device=dev),
-        ancestors=ancestors.to(dev),
-        children=children,
-        node_paths=tuple(node_paths),
-    )
+    tree = tree_from_parents(torch.tensor(parents, device=torch.device(device)),
+                             torch.tensor(ranks, device=torch.device(device)), max_depth=max(depths))
+    tree.__dict__["paths"] = paths   # known already: spare the derivation
+    return tree
+
+
+def tree_from_parents(parents: torch.Tensor, ranks: torch.Tensor, *, max_depth: int) -> Tree:
+    """A tree from a parent array (parents[0] = -1, parents[i] < i) with tensor ops only:
+    ``max_depth`` gathers give every node's depth and ancestor set."""
+    n = parents.shape[0]
+    idx = torch.arange(n, device=parents.device)
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+    depths = torch.zeros(n, dtype=torch.long, device=parents.device)
+    up = parents.clone()                                        # each node's ancestor d + 1 levels up
+    for _ in range(max_depth):
+        has = up >= 0
+        ancestors[idx[has], up[has]] = True
+        depths += has.long()
+        up = torch.where(has, parents[up.clamp(min=0)], up)
+    return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors)
 
 
 def path_probs(tree: Tree, conf: torch.Tensor) -> list[float]:

@@ -39,7 +39,7 @@ def greedy_accept(tree: Tree, tokens: torch.Tensor, target_argmax: torch.Tensor)
     alive = ~(tree.ancestors & ~match[None, :]).any(dim=1)   # (n,) every node on the path matches
     # The single host sync of a greedy step: which node to keep.
     best = int(torch.argmax(torch.where(alive, tree.depths, -1)))
-    return Accepted(path=tree.node_paths[best], bonus=int(target_argmax[best]))
+    return Accepted(path=tree.path_to(best), bonus=int(target_argmax[best]))
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -81,23 +81,26 @@ def rejection_accept_tree(
     """Lossless multi-candidate speculative sampling down a tree (recursive rejection sampling).
 
     tokens: (n,); p: (n, V) target probs after each node; q: (R, V) draft distributions;
-    q_index: (n,) the q row node i's children were drawn from, without replacement, in rank order.
+    q_index: (n,) the q row node i's token was drawn from (the root's entry is unused). Siblings
+    drawn from one row were drawn without replacement, in rank order; a row may also be a point
+    mass (a token copied from the context: its "draw" is certain).
 
-    At a node, its children are tried in rank order: child x is accepted with probability
-    min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)) and x is removed from q (it was drawn
-    without replacement, and the new p gives it zero mass anyway). Each try is a standard
-    speculative-sampling step against the current residual, so the token that leaves the node is
-    distributed exactly as the target's p. If no child is accepted the bonus token is drawn from
-    the final residual; at a leaf, from p.
+    At a node, its children are tried in rank order: child x drawn from row q_r is accepted with
+    probability min(1, p(x)/q_r(x)); on rejection p <- norm(max(0, p - q_r)) and x is removed
+    from q_r (it was drawn without replacement, and the new p gives it zero mass anyway). Each try
+    is a standard speculative-sampling step against the current residual, so the token that
+    leaves the node is distributed exactly as the target's p, whichever rows the siblings came
+    from. If no child is accepted the bonus token is drawn from the final residual; at a leaf, from p.
     """
-    toks = tokens.tolist()
+    toks, rows = tokens.tolist(), q_index.tolist()
     path, node = [0], 0
     p_cur = p[0]
     while tree.children[node]:
-        q_cur = q[int(q_index[node])].clone()
+        left: dict[int, torch.Tensor] = {}   # row -> its q with the siblings tried so far removed
         nxt = None
         for child in tree.children[node]:
-            x = toks[child]
+            r, x = rows[child], toks[child]
+            q_cur = left[r] if r in left else q[r]
             qx = float(q_cur[x])
             if qx <= 0:  # a padded duplicate, or mass already spent
                 continue
@@ -106,11 +109,10 @@ def rejection_accept_tree(
                 nxt = child
                 break
             p_cur = _residual(p_cur, q_cur)
+            q_cur = q_cur.clone()
             q_cur[x] = 0
             mass = q_cur.sum()
-            if mass <= 0:
-                break
-            q_cur = q_cur / mass
+            left[r] = q_cur / mass if mass > 0 else q_cur
         if nxt is None:
             break
         path.append(nxt)

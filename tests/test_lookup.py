@@ -12,6 +12,8 @@ from selfspec.drafters import LookupDrafter, MedusaDrafter
 from selfspec.drafters.lookup import context_continuation, graft
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.sampling import SamplingParams
+from selfspec.drafters.base import DecodeState, Draft
+from selfspec.drafters.lookup import with_lookup
 from selfspec.tree import build_tree
 
 
@@ -84,7 +86,7 @@ def test_medusa_with_lookup_is_exact_and_uses_the_copied_tokens():
     assert max(taus[6]) > 2.0
 
 
-def test_lookup_is_off_when_sampling_and_validated():
+def test_lookup_grafts_when_sampling_and_is_validated():
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("medusa", model, "t")
@@ -94,28 +96,38 @@ def test_lookup_is_off_when_sampling_and_validated():
     drafter = MedusaDrafter(bb, heads, tree, lookup=4)
     _, stats = decode(bb, drafter, ids[0], params=params, max_new_tokens=20, eos_token_ids=set(),
                       generator=torch.Generator().manual_seed(0))
-    assert stats.drafted == stats.steps * 1      # the heads' one node per step, never a copied chain
+    assert stats.drafted >= stats.steps
+    # A sampled step's graft: copied nodes are point-mass drafts with q rows of their own.
+    V = bb.vocab_size
+    state = DecodeState(ids=[5, 6, 7, 5, 6], cache=None, params=params, generator=None)
+    q = torch.full((1, V), 1.0 / V)
+    base = Draft(tree=tree, tokens=torch.tensor([6, 9]), q=q)          # the heads drew 9 under the root
+    merged = with_lookup(base, state, 4, vocab_size=V)                  # context says 7, 5, 6 follow 5, 6
+    assert merged.tree.paths == ((0,), (1,), (1, 0), (1, 0, 0))
+    assert merged.tokens.tolist() == [6, 9, 7, 5, 6]
+    assert merged.q_index.tolist()[1:] == [0, 1, 2, 3]
+    assert torch.equal(merged.q[1:].argmax(-1), torch.tensor([7, 5, 6])) and bool((merged.q[1:].sum(-1) == 1).all())
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="lookup must be"):
             MedusaDrafter(bb, heads, tree, lookup=bad)
 
 
-def test_lookup_drafter_alone_is_exact_and_drafts_nothing_when_sampling():
+def test_lookup_drafter_alone_is_exact_and_samples():
     model = tiny_model("qwen2")
     bb = Backbone(model)
     for seed in range(3):
         ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
         ref = hf_greedy(model, ids, 60)[0, ids.shape[1]:].tolist()
-        new, stats = decode(bb, LookupDrafter(bb.device, lookup=5), ids[0], params=SamplingParams(), max_new_tokens=60,
+        new, stats = decode(bb, LookupDrafter(bb.device, lookup=5, vocab_size=bb.vocab_size), ids[0], params=SamplingParams(), max_new_tokens=60,
                             eos_token_ids=set(), generator=None)
         assert new == ref and stats.drafted > 0
-    _, stats = decode(bb, LookupDrafter(bb.device), torch.tensor([5, 6, 7, 5, 6, 7, 5, 6]),
+    _, stats = decode(bb, LookupDrafter(bb.device, vocab_size=bb.vocab_size), torch.tensor([5, 6, 7, 5, 6, 7, 5, 6]),
                       params=SamplingParams(do_sample=True, temperature=1.0), max_new_tokens=20, eos_token_ids=set(),
                       generator=torch.Generator().manual_seed(0))
-    assert stats.drafted == 0
+    assert stats.new_tokens == 20   # sampling runs (copied tokens are point-mass drafts: test_sampling_lossless)
     sm = SelfSpeculativeModel(model, None, drafter_name="lookup", heads=None, tree="auto", name="tiny", lookup=3)
     assert sm.drafter.lookup == 3
     with pytest.raises(ValueError, match="lookup >= 1"):
-        LookupDrafter(bb.device, lookup=0)
+        LookupDrafter(bb.device, lookup=0, vocab_size=bb.vocab_size)
     with pytest.raises(ValueError, match="whole number"):
         SelfSpeculativeModel(model, None, drafter_name="lookup", heads=None, tree="auto", name="tiny", lookup="x")

@@ -135,7 +135,7 @@ def _tree_sequences(P, Q, root, gen, *, threshold: float = 0.0, conf=_row_conf):
                 tokens = [tokens[0]] + [tokens[full.paths.index(p) + 1] for p in kept]
             tok = torch.tensor(tokens)
             p, q = P[tok], Q[tok]
-            acc = rejection_accept_tree(tree, tok, p, q, torch.arange(tree.size), generator=gen)
+            acc = rejection_accept_tree(tree, tok, p, q, tree.parents.clamp(min=0), generator=gen)
             seq.extend([tokens[i] for i in acc.path[1:]] + [acc.bonus])
             prev = seq[-1]
         key = tuple(seq[:L])
@@ -182,7 +182,7 @@ def test_tree_with_single_children_equals_chain_rule():
         ctx = torch.tensor([0] + drafts)
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         n, nxt = rejection_accept_chain(P[ctx], Q[ctx[:-1]], torch.tensor(drafts), generator=g1)
-        acc = rejection_accept_tree(tree, ctx, P[ctx], Q[ctx], torch.arange(4), generator=g2)
+        acc = rejection_accept_tree(tree, ctx, P[ctx], Q[ctx], tree.parents.clamp(min=0), generator=g2)
         # Same uniforms in the same order up to the first rejection -> same accepted length; when all
         # are accepted both then draw the bonus from p_k with the generator in the same state.
         assert acc.num_accepted == n

@@ -353,3 +353,29 @@ def test_cli_reports_bad_prompts_in_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {bad}:1: no prompt (need a non-empty string under \"prompt\"): fix or drop that row"]
+
+
+# ------------------------------------------------------------------------------------------- teacher forcing
+
+
+def test_references_are_stored_as_answers_without_generating(tmp_path, monkeypatch):
+    """gen-data --references: prompt + the row's reference (cut to max_new_tokens, EOS when it fits);
+    rows without a reference are left out; the model never generates; the directory says so."""
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = prompts(4)
+    rows[0]["reference"] = "w1 w2 w3"
+    rows[1]["reference"] = " ".join(f"w{i}" for i in range(20))   # longer than max_new_tokens
+    rows[2]["reference"] = "  "                                   # blank: no reference
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("teacher forcing must not generate"))
+    ds = generate_distillation_data(model, tokenizer, rows, tmp_path / "tf", max_new_tokens=8, batch_size=2,
+                                    progress=False, references=True)
+    by_id = {r["id"]: r for r in ds}
+    assert sorted(by_id) == ["p0", "p1"]
+    ids = {r["id"]: p for r, p in zip(rows, prompt_token_ids(tokenizer, [r["prompt"] for r in rows]))}
+    p0, p1 = by_id["p0"], by_id["p1"]
+    assert p0["input_ids"] == ids["p0"] + tokenizer("w1 w2 w3", add_special_tokens=False)["input_ids"] + [EOS]
+    assert p0["response_start"] == len(ids["p0"]) and p0["n_response"] == 4
+    assert p1["input_ids"][p1["response_start"]:] == [WORDS.index(f"w{i}") for i in range(8)]
+    assert read_meta(tmp_path / "tf")["answers"] == "reference"
+    with pytest.raises(ValueError, match="answers"):   # generated answers never mix into it
+        generate_distillation_data(make_model(), tokenizer, rows, tmp_path / "tf", max_new_tokens=8, progress=False)

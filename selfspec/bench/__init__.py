@@ -30,6 +30,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--medusa-gate", default="auto", help="expected accepted tokens below which a Medusa step proposes nothing")
     p.add_argument("--medusa-lookup", default="auto",
                    help="context tokens a greedy Medusa step may also propose (prompt lookup; 0 = off, auto = as tuned)")
+    p.add_argument("--eagle-heads", default=None, help="default: the shipped checkpoint for the demo model")
+    p.add_argument("--eagle-tree", default="auto", help="dynamic-D-K-M: depth D, K expanded per level, M nodes verified")
+    p.add_argument("--eagle-threshold", default="auto", help="draft path probability below which eagle nodes are not proposed")
+    p.add_argument("--eagle-lookup", default="auto", help="context tokens an eagle step may also propose (0 = off)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -65,6 +69,7 @@ def run_bench_cli(args) -> int:
         draft = load_model(str(path), dtype=args.dtype, device=args.device).model
     medusa = args.medusa_heads or shipped_heads(args.model, "medusa")
     exits = args.exit_heads or shipped_heads(args.model, "early-exit")
+    eagle = args.eagle_heads or shipped_heads(args.model, "eagle")
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         methods, notes = build_methods(names, model=loaded.model, tokenizer=loaded.tokenizer, model_name=loaded.name,
@@ -72,7 +77,8 @@ def run_bench_cli(args) -> int:
                                        draft_model=draft, medusa_tree=args.medusa_tree, exit_tree=args.exit_tree,
                                        draft_tree=args.draft_tree, medusa_threshold=args.medusa_threshold,
                                        exit_threshold=args.exit_threshold, medusa_gate=args.medusa_gate,
-                                       medusa_lookup=args.medusa_lookup)
+                                       medusa_lookup=args.medusa_lookup, eagle_heads=eagle, eagle_tree=args.eagle_tree,
+                                       eagle_threshold=args.eagle_threshold, eagle_lookup=args.eagle_lookup)
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     results = run_bench(methods, prompts, lambda text: encode_prompt(loaded.tokenizer, text, chat=chat),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -25,7 +25,8 @@ from ..decode import DecodeStats
 
 BASELINE = "hf-greedy"
 ALL_METHODS = ("hf-greedy", "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
-               "selfspec-ar", "selfspec-lookup", "selfspec-early-exit", "selfspec-medusa", "selfspec-draft-model")
+               "selfspec-ar", "selfspec-lookup", "selfspec-early-exit", "selfspec-medusa", "selfspec-eagle",
+               "selfspec-draft-model")
 TIE_MARGIN = 1e-3
 
 

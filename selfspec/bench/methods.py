@@ -41,6 +41,10 @@ def build_methods(
     exit_threshold="auto",
     medusa_gate="auto",
     medusa_lookup="auto",
+    eagle_heads=None,
+    eagle_tree="auto",
+    eagle_threshold="auto",
+    eagle_lookup="auto",
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft each method used."""
     sampling = temperature > 0
@@ -114,6 +118,13 @@ def build_methods(
             if medusa:
                 notes["medusa_gate"] = sm.drafter.gate
                 notes["medusa_lookup"] = sm.drafter.lookup
+            fn = ours(sm)
+        elif name == "selfspec-eagle":
+            sm = spec("eagle", heads=heads_for("eagle", eagle_heads), tree=eagle_tree, threshold=eagle_threshold,
+                      lookup=eagle_lookup)
+            d = sm.drafter
+            notes["eagle_tree"] = f"dynamic-{d.depth}-{d.expand}-{d.nodes}"
+            notes["eagle_threshold"], notes["eagle_lookup"] = d.threshold, d.lookup
             fn = ours(sm)
         else:
             fn = ours(spec("draft-model", heads=None, tree=draft_tree, draft_model=draft_model))

@@ -7,6 +7,7 @@ import torch
 from ..tree import Tree, build_tree
 from .base import DecodeState, Draft, Drafter, Resume, TargetOut
 from .draft_model import DraftModelDrafter
+from .eagle import EagleDrafter
 from .early_exit import EarlyExitDrafter
 from .lookup import LookupDrafter
 from .medusa import MedusaDrafter
@@ -30,6 +31,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "medusa": MedusaDrafter,
     "draft-model": DraftModelDrafter,
     "lookup": LookupDrafter,
+    "eagle": EagleDrafter,
 }
 
 
@@ -40,4 +42,4 @@ def check_drafter_name(name: str) -> str:
 
 
 __all__ = ["DRAFTERS", "Draft", "DecodeState", "Drafter", "Resume", "TargetOut", "Tree", "check_drafter_name",
-           "DraftModelDrafter", "EarlyExitDrafter", "LookupDrafter", "MedusaDrafter", "NoDrafter"]
+           "DraftModelDrafter", "EagleDrafter", "EarlyExitDrafter", "LookupDrafter", "MedusaDrafter", "NoDrafter"]

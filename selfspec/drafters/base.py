@@ -42,15 +42,20 @@ class Resume:
 class Draft:
     tree: Tree
     tokens: torch.Tensor              # (n,) long; tokens[0] = pending root
-    q: torch.Tensor | None = None     # (R, V) draft probs (sampling only); row d: children of depth-d nodes
+    q: torch.Tensor | None = None     # (R, V) draft probs (sampling only)
+    q_index: torch.Tensor | None = None  # (n,) the q row node i was drawn from; None: row depth(i) - 1
     resume: Resume | None = None
+
+    def q_rows(self) -> torch.Tensor:
+        """(n,) the q row each node's token was drawn from (the root's entry is unused)."""
+        return self.q_index if self.q_index is not None else (self.tree.depths - 1).clamp(min=0)
 
 
 @dataclass
 class TargetOut:
     logits: torch.Tensor   # (n, V) target logits after each node
     hidden: torch.Tensor   # (n, H) final post-norm hidden states
-    captured: torch.Tensor | None = None  # (1, n, H) after layer ``Drafter.capture_layer``, if it asked
+    captured: tuple[torch.Tensor, ...] = ()  # (1, n, H) after each layer in ``Drafter.capture_layers``
 
 
 class Drafter:
@@ -58,7 +63,7 @@ class Drafter:
 
     name: str = "?"
     heads = None  # a heads.Heads for drafters with trainable heads
-    capture_layer: int | None = None  # ask the target passes for the hidden states after this many layers
+    capture_layers: tuple[int, ...] = ()  # ask the target passes for the hidden states after these many layers
 
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""
@@ -104,8 +109,8 @@ def row_candidates(
 def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
     """Node i at depth d and rank r gets candidate r of row d - 1 -> (n,) tokens, root first.
 
-    Every drafter here drafts one distribution per depth (Medusa's head d, or the chain node at
-    depth d - 1), so that row is also the q the node's children were drawn from: q_index = depth.
+    Medusa and early exit draft one distribution per depth (Medusa's head d, or the chain node at
+    depth d - 1), so row d - 1 is the q a depth-d node was drawn from (``Draft.q_rows``' default).
     """
     body = cand[tree.depths[1:] - 1, tree.ranks[1:]]
     return torch.cat([torch.tensor([root], device=body.device, dtype=body.dtype), body])

@@ -58,7 +58,7 @@ class EarlyExitDrafter(Drafter):
         self.vocab = heads.draft_vocab
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.stateful = isinstance(heads.module, ExitLayerHead)
-        self.capture_layer = exit_layer if self.stateful else None
+        self.capture_layers = (exit_layer,) if self.stateful else ()
         self.adapter_cache = kv.new_cache()
         self.drafted = 0  # chain nodes the last draft ran through layers[0:E] (root included)
 
@@ -75,7 +75,7 @@ class EarlyExitDrafter(Drafter):
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         if self.stateful:
             self.adapter_cache = kv.new_cache()
-            self._adapt(prefill.captured, 0)
+            self._adapt(prefill.captured[0], 0)
 
     @torch.no_grad()
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
@@ -87,7 +87,7 @@ class EarlyExitDrafter(Drafter):
         kv.truncate(self.adapter_cache, past + seen)
         missing = list(accepted.path[seen:])            # at most one node: chain node k or a leaf
         if missing:
-            self._adapt(out.captured[:, missing], past + seen)
+            self._adapt(out.captured[0][:, missing], past + seen)
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:

@@ -12,8 +12,10 @@ unchanged, so the output is still exactly plain greedy decoding's.
 ``LookupDrafter`` (drafter ``"lookup"``) drafts such chains alone, with no heads and no
 training: selfspec's own prompt lookup decoding.
 
-Greedy only: a copied token is not a draw from a distribution, so it has no q for the
-sampling rule; sampled decoding drafts from the heads alone (the lookup drafter: nothing).
+Sampling too: a copied token is a draft whose q is a point mass on it (its "draw" was certain
+given the context). Rejection sampling handles that exactly: accept it with probability p(x),
+else continue from p with x removed (``verify.rejection_accept_tree``). Each copied node gets a
+one-hot q row of its own, so siblings drawn from a draft distribution keep theirs.
 
 ``context_continuation`` and ``graft`` are pure functions; ``with_lookup`` applies them to a
 step's draft, for both drafters.
@@ -81,29 +83,41 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
-def with_lookup(tree: Tree, tokens: torch.Tensor, state: DecodeState, k: int) -> tuple[Tree, torch.Tensor]:
-    """A step's draft (tree, node tokens, root first) with up to k context tokens grafted on.
-    Unchanged when sampling, when k is 0, or when the context has no match."""
-    copied = context_continuation(state.ids, k) if k and not state.params.do_sample else []
+def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int) -> Draft:
+    """A step's draft with up to k context tokens grafted on (unchanged when k is 0 or nothing matched).
+
+    Sampling: every new node gets a one-hot q row appended to ``draft.q`` (point mass on its token)."""
+    copied = context_continuation(state.ids, k) if k else []
     if not copied:
-        return tree, tokens
-    paths, merged = graft(tree.paths, tokens.tolist(), copied)
-    return build_tree(paths, str(tokens.device)), torch.tensor(merged, device=tokens.device)
+        return draft
+    tokens = draft.tokens
+    paths, merged = graft(draft.tree.paths, tokens.tolist(), copied)
+    tree = build_tree(paths, str(tokens.device))
+    merged = torch.tensor(merged, device=tokens.device)
+    if not state.params.do_sample:
+        return Draft(tree=tree, tokens=merged, resume=draft.resume)
+    n_old, n_new = draft.tree.size, tree.size - draft.tree.size
+    q_old = draft.q if draft.q is not None else torch.zeros(0, vocab_size, device=tokens.device)
+    point = torch.zeros(n_new, vocab_size, dtype=q_old.dtype, device=q_old.device)
+    point[torch.arange(n_new), merged[n_old:].to(q_old.device)] = 1.0
+    rows = torch.cat([draft.q_rows().to(tokens.device),
+                      q_old.shape[0] + torch.arange(n_new, device=tokens.device)])
+    return Draft(tree=tree, tokens=merged, q=torch.cat([q_old, point]), q_index=rows, resume=draft.resume)
 
 
 class LookupDrafter(Drafter):
-    """Proposes only the context's continuation (up to ``lookup`` tokens) as a chain; greedy only."""
+    """Proposes only the context's continuation (up to ``lookup`` tokens) as a chain."""
 
     name = "lookup"
 
-    def __init__(self, device: torch.device, lookup: int = DEFAULT_LOOKUP):
+    def __init__(self, device: torch.device, lookup: int = DEFAULT_LOOKUP, *, vocab_size: int):
         if check_lookup(lookup) < 1:
             raise ValueError("the lookup drafter needs lookup >= 1 (the most context tokens it copies per step)")
         self.lookup = lookup
+        self.vocab_size = vocab_size
         self.device = str(device)
         self.tree = build_tree((), self.device)
 
     def draft(self, state: DecodeState) -> Draft:
-        root = torch.tensor([state.ids[-1]], device=self.device)
-        tree, tokens = with_lookup(self.tree, root, state, self.lookup)
-        return Draft(tree=tree, tokens=tokens)
+        root = Draft(tree=self.tree, tokens=torch.tensor([state.ids[-1]], device=self.device))
+        return with_lookup(root, state, self.lookup, vocab_size=self.vocab_size)

@@ -6,7 +6,7 @@ With ``threshold`` > 0 the tree is cut each step to the nodes the heads give at 
 probability; with ``gate`` > 0 a step whose tree the heads expect to get fewer than ``gate``
 tokens accepted proposes nothing and costs one plain step (``tree.prune``). Both read only the
 heads' distributions (see ``row_candidates``), so sampling stays exact. With ``lookup`` = k > 0,
-greedy steps also graft up to k tokens copied from the context onto the tree (``lookup.py``).
+steps also graft up to k tokens copied from the context onto the tree (``lookup.py``).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class MedusaDrafter(Drafter):
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
-        tree, tokens = with_lookup(tree, layout(tree, state.ids[-1], cand.tokens), state, self.lookup)
-        return Draft(tree=tree, tokens=tokens, q=cand.q)
+        return with_lookup(Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q), state,
+                           self.lookup, vocab_size=self.backbone.vocab_size)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         self.hidden = out.hidden[accepted.path[-1]]

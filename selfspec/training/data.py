@@ -49,7 +49,8 @@ SHARD_PREFIX = "shard-"
 TMP_PREFIX = ".tmp-"
 # Settings that change what a row means; appending rows made under different values is refused.
 # The seed is recorded but not compared: other seeds give other samples of the same distribution.
-COMPARED_SETTINGS = ("format", "model", "max_new_tokens", "temperature", "max_prompt_tokens", "prompt_format", "eos_token_ids")
+COMPARED_SETTINGS = ("format", "model", "max_new_tokens", "temperature", "max_prompt_tokens", "prompt_format", "eos_token_ids",
+                     "answers")
 
 
 @dataclass(frozen=True)
@@ -263,8 +264,15 @@ def generate_distillation_data(
     shard_size: int = DataGenConfig.shard_size,
     model_name: str | None = None,
     progress: bool = True,
+    references: bool = False,
 ) -> datasets.Dataset:
     """Let ``model`` answer every prompt whose id is not yet in ``out_dir``; return all rows stored there.
+
+    ``references=True`` (teacher forcing) stores each prompt's own ``reference`` text as its answer
+    instead of generating one (at most ``max_new_tokens`` tokens, EOS appended when it fits):
+    training then runs the target over prompt + reference and learns the target's distributions
+    at every position, which costs one forward pass instead of a generation. Prompts without a
+    reference are left out.
 
     ``prompts`` are rows as returned by :func:`load_prompts` (unique "id", "prompt"). Pending prompts
     are sorted longest first (less padding per batch, and a batch size that does not fit in memory
@@ -297,6 +305,7 @@ def generate_distillation_data(
         "seed": int(seed),
         "vocab_size": len(tokenizer),
         "token_dtype": "int32",
+        "answers": "reference" if references else "generated",
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir):
@@ -305,6 +314,8 @@ def generate_distillation_data(
         shards = _finished_shards(out_dir)
         done = _stored_ids(shards)
         pending = [row for row in prompts if row["id"] not in done]
+        if references:
+            pending = [row for row in pending if isinstance(row.get("reference"), str) and row["reference"].strip()]
         log.info("%d prompts: %d already stored in %s, %d to generate", len(prompts), len(prompts) - len(pending), out_dir, len(pending))
         token_ids = prompt_token_ids(tokenizer, [row["prompt"] for row in pending]) if pending else []
         n_truncated = sum(len(t) > max_prompt_tokens for t in token_ids)
@@ -314,6 +325,7 @@ def generate_distillation_data(
         work = sorted(
             ((row["id"], t[-max_prompt_tokens:]) for row, t in zip(pending, token_ids)), key=lambda item: -len(item[1])
         )
+        refs = {row["id"]: row["reference"] for row in pending} if references else {}
         first_shard = 1 + max((int(p.name[len(SHARD_PREFIX):]) for p in shards), default=-1)
         per_shard = batch_size * shard_size
         started, n_tokens = time.perf_counter(), 0
@@ -322,10 +334,13 @@ def generate_distillation_data(
                 rows = []
                 for b in range(lo, min(lo + per_shard, len(work)), batch_size):
                     batch = work[b : b + batch_size]
-                    rows += _answer_batch(
-                        model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=_batch_seed(seed, [row_id for row_id, _ in batch]),
-                    )
+                    if references:
+                        rows += _reference_batch(tokenizer, batch, refs, eos_id=eos_ids[0], max_new_tokens=max_new_tokens)
+                    else:
+                        rows += _answer_batch(
+                            model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                            temperature=temperature, seed=_batch_seed(seed, [row_id for row_id, _ in batch]),
+                        )
                     n_tokens += sum(row["n_response"] for row in rows[-len(batch):])
                     bar.update(len(batch))
                     bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - started):.1f}")
@@ -336,6 +351,17 @@ def generate_distillation_data(
 def _batch_seed(seed: int, batch_ids: list[str]) -> int:
     # Keyed on the batch's ids, not its position, so a resumed run reproduces the batches it redoes.
     return zlib.crc32(("\x1f".join([str(seed), *batch_ids])).encode())
+
+
+def _reference_batch(tokenizer, batch: list[tuple[str, list[int]]], refs: dict, *, eos_id: int,
+                     max_new_tokens: int) -> list[dict]:
+    """Rows whose answer is the prompt's reference text (teacher forcing), cut to ``max_new_tokens``."""
+    answers = tokenizer([refs[row_id] for row_id, _ in batch], add_special_tokens=False)["input_ids"]
+    rows = []
+    for (row_id, prompt), answer in zip(batch, answers):
+        response = (answer + [eos_id])[:max_new_tokens]
+        rows.append({"id": row_id, "input_ids": prompt + response, "response_start": len(prompt), "n_response": len(response)})
+    return rows
 
 
 def _answer_batch(model, batch: list[tuple[str, list[int]]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
@@ -478,9 +504,10 @@ def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
     path = out_dir / META_FILE
     if path.is_file():
         stored = json.loads(path.read_text())
-        diffs = [k for k in COMPARED_SETTINGS if stored.get(k) != meta[k]]
+        # Directories from before teacher forcing existed hold generated answers.
+        diffs = [k for k in COMPARED_SETTINGS if stored.get(k, "generated" if k == "answers" else None) != meta[k]]
         if diffs:
-            was = ", ".join(f"{k}={stored.get(k)!r}" for k in diffs)
+            was = ", ".join(f"{k}={stored.get(k, 'generated' if k == 'answers' else None)!r}" for k in diffs)
             now = ", ".join(f"{k}={meta[k]!r}" for k in diffs)
             raise ValueError(f"{out_dir} was made with {was} but this run has {now}: use another output directory or the same settings")
         return
@@ -547,6 +574,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="comma-separated values of the prompts' \"source\" field to keep (default: all)")
     parser.add_argument("--samples", type=int, default=1,
                         help="answers per prompt (ids <id>~<k>); more than 1 needs --temperature > 0")
+    parser.add_argument("--references", action="store_true",
+                        help="teacher forcing: store each prompt's \"reference\" answer instead of generating one "
+                             "(rows without a reference are left out); training runs the target over it")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -560,6 +590,8 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.references and (args.temperature > 0 or args.samples > 1):
+        raise ValueError("--references stores the prompts' own reference answers: drop --temperature and --samples")
     if args.samples > 1 and args.temperature == 0:
         raise ValueError(f"--samples {args.samples} with greedy decoding would store {args.samples} identical answers: "
                          "set --temperature > 0 (e.g. 0.7)")
@@ -582,6 +614,7 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
         shard_size=args.shard_size,
         model_name=loaded.name,
         progress=not args.no_progress,
+        references=args.references,
     )
     wall = time.perf_counter() - started
     wanted = {row["id"] for row in prompts} - before

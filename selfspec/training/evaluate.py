@@ -86,10 +86,47 @@ def draft_rank_accuracy(draft, seqs: list[Sequence], *, max_rank: int = 5) -> li
     return [(hits / max(total, 1)).tolist()]
 
 
+EAGLE_EVAL_STEPS = 5   # draft depths scored for an eagle head
+
+
+@torch.no_grad()
+def eagle_rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5,
+                        steps: int = EAGLE_EVAL_STEPS) -> list[list[float]]:
+    """acc[j][r]: drafting j + 1 tokens ahead of the committed text (its own states in between, the
+    true tokens as their inputs: training-time test), the head's rank-r candidate is the target's token."""
+    from .tasks.eagle import pad_batch, target_pass
+
+    bb = Backbone(model)
+    head, vocab = heads.module, heads.draft_vocab
+    hits, total = torch.zeros(steps, max_rank), torch.zeros(steps)
+    for s in seqs:
+        ids, am, rows = (t.to(bb.device) for t in pad_batch([s]))
+        aux, _ = target_pass(bb, ids, am, aux_layers=heads.config.aux_layers, lm_weight=None)
+        L = ids.shape[1]
+        emb = bb.embed_tokens(torch.cat([ids[:, 1:], ids[:, -1:]], dim=1))
+        pos_emb = bb.rotary_emb(emb, position_ids=torch.arange(L, device=ids.device)[None])
+        feature, past = head.fuse(aux.to(emb.dtype)), []
+        for j in range(steps):
+            states, kv = head.ttt_step(feature, emb, position_embeddings=pos_emb, past=past)
+            past.append(kv)
+            feature = F.pad(states, (0, 0, 1, 0))[:, :L]
+            # Slot i (needs i >= j) proposes token i + 2, on response rows.
+            t = torch.arange(max(j, s.response_start - 2, 0), L - 2, device=ids.device)
+            if len(t) == 0:
+                continue
+            rank = rank_of(head.logits(states[0, t]).float(), ids[0, t + 2], vocab, max_rank)
+            for r in range(max_rank):
+                hits[j, r] += float((rank == r).sum())
+            total[j] += len(t)
+    return (hits / total.clamp(min=1)[:, None]).tolist()
+
+
 def rank_accuracy(model, heads, seqs: list[Sequence], *, max_rank: int = 5) -> list[list[float]]:
     """acc[k][r]: head k's rank-r candidate is the target's token (decode-aligned; see the module doc)."""
     if heads.config.kind == "medusa":
         return medusa_rank_accuracy(model, heads, seqs, max_rank=max_rank)
+    if heads.config.kind == "eagle":
+        return eagle_rank_accuracy(model, heads, seqs, max_rank=max_rank)
     return exit_rank_accuracy(model, heads, seqs, max_rank=max_rank)
 
 
@@ -184,8 +221,8 @@ def run_eval_heads(args: argparse.Namespace) -> int:
     r = eval_heads(loaded.model, loaded.tokenizer, heads, prompts, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, held_out=held, progress=not args.no_progress)
     exit_name = f"exit (layer {heads.config.exit_layer})"
-    return _report(r, args, data=data if held else None,
-                   name=lambda k: str(k + 1) if r["kind"] == "medusa" else exit_name)
+    names = {"medusa": lambda k: str(k + 1), "eagle": lambda k: f"draft step {k + 1}"}
+    return _report(r, args, data=data if held else None, name=names.get(r["kind"], lambda k: exit_name))
 
 
 def _report(r: dict, args: argparse.Namespace, *, data, name) -> int:

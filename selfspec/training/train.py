@@ -45,11 +45,15 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     """Every training default; the CLI flags are derived from these fields."""
 
-    kind: str = "medusa"              # medusa | early-exit
+    kind: str = "medusa"              # medusa | early-exit | eagle
     num_heads: int = 4                # medusa
     token_input: bool = True          # medusa: heads also read the root token's embedding (known when drafting)
     head_mlp: str = ""                # medusa: widths of an extra residual MLP per head, e.g. "1024,1024" (heads 1-2)
     exit_layer: int | None = None     # early-exit; None = num_layers // 2
+    aux_layers: str = ""              # eagle: target layers whose hidden states feed the head, e.g. "2,15,27"; "" = low/mid/high
+    ttt_steps: int = 4                # eagle: draft steps unrolled per position in training (training-time test)
+    shared_lm_head: bool = True       # eagle: score with the target's own LM-head rows, frozen (a smaller, cheaper head)
+    loss_rows: str = "response"       # eagle: "response" rows only, or "all" (the prompt's too: the target's forward covers them anyway)
     steps: int = 2000                 # optimizer steps
     lr: float = 1e-3
     warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
@@ -58,7 +62,7 @@ class TrainConfig:
     grad_accum: int = 1               # micro-batches per optimizer step
     max_len: int = 1024               # longer sequences keep their last max_len tokens
     draft_vocab_size: int = 8192      # 0 = the full vocabulary
-    head_weight_base: float = 0.8     # medusa: head k's loss is scaled by base**k
+    head_weight_base: float = 0.8     # medusa: head k's loss is scaled by base**k; eagle: unrolled step k's
     hard_weight: float = 0.0          # extra cross-entropy on the tokens the target actually produced
     eval_fraction: float = 0.05       # held-out share of the sequences
     eval_every: int = 200
@@ -134,9 +138,17 @@ def train_heads(
         raise ValueError("--head-mlp widens Medusa heads: drop it for --kind early-exit (see --exit-intermediate)")
     if config.exit_adapter not in ("mlp", "layer"):
         raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
+    if config.loss_rows not in ("response", "all") or (config.loss_rows == "all" and config.kind != "eagle"):
+        raise ValueError(f"--loss-rows is 'response' (any kind) or 'all' (eagle only), got {config.loss_rows!r}")
+    if config.kind == "eagle" and config.ttt_steps < 1:
+        raise ValueError(f"--ttt-steps must be >= 1 (got {config.ttt_steps}): the draft steps unrolled in training")
+    aux = parse_widths(config.aux_layers, flag="--aux-layers") or None
+    if aux is not None and config.kind != "eagle":
+        raise ValueError("--aux-layers applies to --kind eagle only")
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
                             token_input=config.token_input, head_mlp=parse_widths(config.head_mlp),
-                            adapter=config.exit_adapter, intermediate_size=config.exit_intermediate)
+                            adapter=config.exit_adapter, intermediate_size=config.exit_intermediate,
+                            aux_layers=aux, draft_vocab=vocab if config.kind == "eagle" else None)
     if init is not None:
         check_init_shape(init, heads, config.init)
     heads.config.draft_vocab_size = 0 if vocab is None else int(vocab.numel())
@@ -144,6 +156,9 @@ def train_heads(
     heads.draft_vocab = vocab
     # fp32 master weights (autocast on CUDA); trainable even where copied from the frozen backbone (layer adapter).
     module = heads.module.to(device=device, dtype=torch.float32).requires_grad_(True).train()
+    if config.kind == "eagle":
+        heads.config.shared_lm_head = config.shared_lm_head
+        module.lm_head.weight.requires_grad_(not config.shared_lm_head)
 
     saved = torch.load(state_path, map_location="cpu", weights_only=True) if resume and state_path.is_file() else None
     if saved is not None:
@@ -168,7 +183,7 @@ def train_heads(
 
     target = target_view(model, vocab=vocab, exit_layer=exit_layer)
     features = None
-    if config.cache_features and lora is None:
+    if config.cache_features and lora is None and HEAD_TASKS[config.kind].caches_features:
         # Features for the default exit layer too when training Medusa, so both kinds share one pass.
         features = extract_features(model, seqs, exit_layer=exit_layer if exit_layer is not None else n_layers // 2,
                                     batch_size=config.batch_size, device=device, dtype=config.feature_dtype,
@@ -198,7 +213,7 @@ def train_heads(
 def _changed_settings(old: dict, config: TrainConfig) -> list[str]:
     """The heads-shaping settings of a saved run (its ``asdict(TrainConfig)``) that differ from ``config``."""
     keys = ("kind", "num_heads", "token_input", "head_mlp", "exit_layer", "exit_adapter", "exit_intermediate",
-            "draft_vocab_size", "lora")
+            "draft_vocab_size", "lora", "aux_layers", "shared_lm_head")
     defaults = TrainConfig()
     before = {"token_input": False}  # runs saved before a field existed had the old behaviour, not today's default
     value = lambda k, v: parse_widths(v) if k == "head_mlp" else v  # noqa: E731  ("1024,1024" == "1024, 1024")
@@ -219,16 +234,17 @@ def _detach_lora(lora) -> None:
         lora.unload()
 
 
-def parse_widths(text) -> list[int]:
-    """"1024,1024" (or a YAML list) -> [1024, 1024]; "" -> []."""
+def parse_widths(text, *, flag: str = "--head-mlp") -> list[int]:
+    """"1024,1024" (or a YAML list) -> [1024, 1024]; "" -> []. Also --aux-layers' "2,15,27"."""
     if isinstance(text, (list, tuple)):
         return [int(w) for w in text]
     try:
         widths = [int(w) for w in str(text).replace(" ", "").split(",") if w]
     except ValueError:
-        raise ValueError(f"--head-mlp takes comma-separated widths, one per head, e.g. 1024,1024 (got {text!r})") from None
+        what = "widths, one per head, e.g. 1024,1024" if flag == "--head-mlp" else "layer numbers, e.g. 2,15,27"
+        raise ValueError(f"{flag} takes comma-separated {what} (got {text!r})") from None
     if any(w < 0 for w in widths):
-        raise ValueError(f"--head-mlp widths must be >= 0 (got {text!r})")
+        raise ValueError(f"{flag} values must be >= 0 (got {text!r})")
     return widths
 
 
@@ -244,7 +260,8 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated; DIR@N: its first N rows")
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
-    helps = {"kind": "medusa | early-exit", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
+    helps = {"kind": "medusa | early-exit | eagle", "aux_layers": "eagle: comma-separated target layers whose hidden states feed the head (default: 2, N/2, N-3)",
+             "ttt_steps": "eagle: draft steps unrolled per position (training-time test)", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
              "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens",
              "init": "warm start: heads directory (same kind and shape) whose weights and draft vocabulary this run starts from, with a fresh optimizer and schedule",
              "token_input": "medusa: heads also read the root token's embedding (true | false)",

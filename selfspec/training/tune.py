@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from ..backbone import Backbone, config_fingerprint
 from ..decode import decode
-from ..drafters import EarlyExitDrafter, MedusaDrafter, NoDrafter
+from ..drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
+from ..drafters.eagle import parse_dynamic_tree
 from ..heads import Heads, load_heads, save_heads
 from ..sampling import SamplingParams
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
@@ -46,6 +47,10 @@ MEDUSA_GATED = ((4, 0.5), (4, 0.8), (8, 0.5), (8, 0.8))          # (nodes, gate)
 # And with context lookup (drafters/lookup.py): (nodes, gate, most tokens copied per step).
 MEDUSA_LOOKUP = ((4, 0.0, 4), (4, 0.0, 8), (8, 0.0, 4), (8, 0.0, 8), (4, 0.8, 8), (8, 0.5, 8))
 EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
+# eagle: (dynamic tree, threshold, lookup); depth / expand / nodes span a cheap chain-like tree to a wide one
+EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-3-6", 0.0, 0), ("dynamic-5-4-8", 0.0, 0),
+              ("dynamic-6-4-12", 0.0, 0), ("dynamic-5-4-8", 0.05, 0), ("dynamic-6-4-12", 0.05, 0),
+              ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 
 
@@ -135,6 +140,9 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
         grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g, k) for n, g, k in MEDUSA_LOOKUP if prune or g == 0]
         make = lambda spec, t, g, k: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t, gate=g,  # noqa: E731
                                                    lookup=k)
+    elif heads.config.kind == "eagle":
+        grid = [(spec, t, 0.0, k) for spec, t, k in EAGLE_GRID if prune or t == 0]
+        make = lambda spec, t, g, k: EagleDrafter(bb, heads, **parse_dynamic_tree(spec), threshold=t, lookup=k)  # noqa: E731
     else:
         grid = [(spec, 0.0, 0.0, 0) for spec in EXIT_TREES]
         grid += [(spec, t, 0.0, 0) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
@@ -165,7 +173,12 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
     def total(i: int, k: int) -> float:
         return sum(r[k] for r in runs[i])
 
-    cands = [Candidate(spec=spec, size=build_tree(parse_tree(spec, default=())).size - 1, threshold=t, gate=g, lookup=k,
+    def size(spec) -> int:
+        if heads.config.kind == "eagle":
+            return parse_dynamic_tree(spec)["nodes"]
+        return build_tree(parse_tree(spec, default=())).size - 1
+
+    cands = [Candidate(spec=spec, size=size(spec), threshold=t, gate=g, lookup=k,
                        tokens_per_s=total(i, 0) / total(i, 1), tau=total(i, 3) / max(total(i, 2), 1),
                        nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]))
              for i, (spec, t, g, k) in enumerate(grid, start=1)]

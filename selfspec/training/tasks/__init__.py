@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from .base import Task
+from .eagle import EagleTask
 from .early_exit import EarlyExitTask
 from .heads import HeadsTask
 from .medusa import MedusaTask
@@ -15,6 +16,7 @@ from .medusa import MedusaTask
 HEAD_TASKS: dict[str, type[HeadsTask]] = {
     "medusa": MedusaTask,
     "early-exit": EarlyExitTask,
+    "eagle": EagleTask,
 }
 
-__all__ = ["HEAD_TASKS", "EarlyExitTask", "HeadsTask", "MedusaTask", "Task"]
+__all__ = ["HEAD_TASKS", "EagleTask", "EarlyExitTask", "HeadsTask", "MedusaTask", "Task"]

@@ -113,6 +113,7 @@ class HeadsTask(Task):
     heads: Heads | None = None
 
     reads_exit_layer: ClassVar[bool] = False  # whether head_loss needs the states after the exit layer
+    caches_features: ClassVar[bool] = True    # whether the one-off feature cache (final + exit layer) serves its loss
 
     @abstractmethod
     def head_loss(self, module: torch.nn.Module, states: TargetPass) -> HeadLoss:

@@ -1,0 +1,195 @@
+"""The EAGLE-3-class feature head: one decoder layer that drafts autoregressively over the
+target's own features.
+
+Slot i of the head reads two things: a *feature* g_i for token x_i and the embedding of the
+next token x_{i+1} (known: the target chose it, or the draft did), and predicts x_{i+2}. For
+committed tokens the feature is ``fc`` of the target's hidden states after three of its layers
+(low, middle, high), concatenated: (..., 3H) -> (..., H). While drafting ahead, the target has
+not run the drafted tokens, so slot i instead reads the head's own output state from slot i - 1.
+
+The layer (names as SGLang and vLLM load EAGLE-3 drafts, so export is a renaming)::
+
+    x = [input_layernorm(embedding), hidden_norm(feature)]          (..., 2H)
+    h = feature + o_proj(attention(q_proj(x), k_proj(x), v_proj(x))) (rotary positions)
+    h = h + mlp(post_attention_layernorm(h))                          -> the slot's output state
+    logits = lm_head(norm(h))                                         (..., V_draft)
+
+``forward`` runs n slots against a KV cache (transformers' ``DynamicCache``, layer 0, through its
+public ``update``), with an optional additive mask, as the drafter does. ``ttt_attention`` is
+the training-time-test form: step j of an unrolled draft, where slot i attends to the
+committed slots up to i - j and to its own j draft ancestors (see training/tasks/eagle.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle and high: the hidden states after layers 2, N/2 and N-3 (as EAGLE-3 picks them)."""
+    return sorted({min(2, num_layers), max(1, num_layers // 2), max(1, num_layers - 3)})
+
+
+@torch.no_grad()
+def init_from_target(head: "EagleHead", backbone, vocab: torch.Tensor | None) -> None:
+    """Start where the target is: LM head rows (draft vocabulary) and final norm copied from the
+    target, and ``fc`` passing the highest aux layer through unchanged, so that an untrained head
+    already reads a sensible feature; the layer itself starts small and random."""
+    w = backbone.lm_head.weight
+    head.lm_head.weight.copy_(w if vocab is None else w.index_select(0, vocab.to(w.device)))
+    if backbone.config.model_type != "gemma":   # Gemma's norm scales by 1 + weight
+        head.norm.weight.copy_(backbone.norm.weight)
+    H = head.fc.weight.shape[0]
+    head.fc.weight.zero_()
+    head.fc.weight[:, -H:].copy_(torch.eye(H))
+    for lin in (m for m in head.midlayer.modules() if isinstance(m, nn.Linear)):
+        nn.init.normal_(lin.weight, std=0.02)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on (B, heads, n, d) with cos/sin (B, n, d) from the target's rotary module."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class EagleAttention(nn.Module):
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, n, 2H) -> q (B, nh, n, d), k and v (B, nkv, n, d), rotary applied to q and k."""
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, nkv, T, d) -> (B, nh, T, d): grouped-query attention shares each kv head."""
+        return t.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """(B, nh, n, d) -> (B, n, H)."""
+        B, _, n, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, n, -1))
+
+
+class EagleMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EagleLayer(nn.Module):
+    def __init__(self, *, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(hidden_size, eps=eps)
+        self.hidden_norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.self_attn = EagleAttention(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim)
+        self.post_attention_layernorm = nn.RMSNorm(hidden_size, eps=eps)
+        self.mlp = EagleMLP(hidden_size, intermediate_size)
+
+    def attn_input(self, feature: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embedding), self.hidden_norm(feature)], dim=-1)
+
+    def finish(self, feature: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual over the feature, then the MLP block: (B, n, H) output states."""
+        h = feature + attended
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, *, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 num_aux: int, draft_vocab_size: int, eps: float):
+        super().__init__()
+        self.fc = nn.Linear(num_aux * hidden_size, hidden_size, bias=False)
+        self.midlayer = EagleLayer(hidden_size=hidden_size, intermediate_size=intermediate_size, num_heads=num_heads,
+                                   num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """(..., A*H) the target's hidden states after the aux layers, concatenated -> (..., H) feature."""
+        return self.fc(aux)
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """(..., H) output states -> (..., V_draft) draft logits."""
+        return self.lm_head(self.norm(states))
+
+    def forward(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings, cache,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """n slots (B, n, H) features + next-token embeddings -> (B, n, H) output states.
+
+        Their KV is appended to ``cache`` (a ``DynamicCache``, layer 0). Mask: (B, 1, n, past + n)
+        additive; None means causal within the n slots (and every cached slot visible).
+        """
+        layer = self.midlayer
+        q, k, v = layer.self_attn.qkv(layer.attn_input(feature, embedding), position_embeddings)
+        k, v = cache.update(k, v, 0)
+        attn = layer.self_attn
+        n, T = q.shape[2], k.shape[2]
+        if attention_mask is None and n > 1 and T > n:
+            # Causal among the new slots, all of the cache visible.
+            visible = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
+            attention_mask = torch.zeros(n, T, dtype=q.dtype, device=q.device).masked_fill(~visible, torch.finfo(q.dtype).min)[None, None]
+        o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attention_mask,
+                                           is_causal=attention_mask is None and n > 1, scale=self.scale)
+        return layer.finish(feature, attn.out(o))
+
+    def ttt_step(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings,
+                 past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Training-time test, unrolled step j = len(past) over all L slots of a batch at once.
+
+        feature: (B, L, H), at step 0 the fused target features, at step j > 0 the previous step's
+        output states shifted one slot right (slot i reads slot i - 1's). past: the (k, v) of steps
+        0..j-1, each (B, nkv, L, d). Slot i of step j attends to step 0's slots <= i - j and to step
+        m's slot i - j + m for m = 1..j (its own draft ancestors and itself), which is exactly
+        what the drafter's tree mask gives the j-th drafted token. Returns (states, this step's k, v).
+        """
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        q, k, v = attn.qkv(layer.attn_input(feature, embedding), position_embeddings)
+        j, L = len(past), q.shape[2]
+        steps = past + [(k, v)]
+        k0, v0 = attn.expand_kv(steps[0][0]), attn.expand_kv(steps[0][1])
+        scores = [torch.matmul(q, k0.transpose(-1, -2)) * self.scale]                  # (B, nh, L, L)
+        idx = torch.arange(L, device=q.device)
+        visible = idx[None, :] <= (idx[:, None] - j)                                    # key s <= i - j
+        scores[0] = scores[0].masked_fill(~visible, torch.finfo(q.dtype).min)
+        shifted_v = []
+        for m in range(1, j + 1):
+            # Slot i meets step m's key at slot i - (j - m): shift step m's keys/values right by j - m.
+            km, vm = attn.expand_kv(steps[m][0]), attn.expand_kv(steps[m][1])
+            s = j - m
+            if s:
+                km = F.pad(km, (0, 0, s, 0))[:, :, :L]
+                vm = F.pad(vm, (0, 0, s, 0))[:, :, :L]
+            d = (q * km).sum(-1, keepdim=True) * self.scale                           # (B, nh, L, 1)
+            if s:
+                d = d.masked_fill((idx < s)[None, None, :, None], torch.finfo(q.dtype).min)
+            scores.append(d)
+            shifted_v.append(vm)
+        probs = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+        o = torch.matmul(probs[..., :L], v0)
+        for m, vm in enumerate(shifted_v):
+            o = o + probs[..., L + m: L + m + 1] * vm
+        return layer.finish(feature, attn.out(o)), (k, v)

@@ -1,0 +1,336 @@
+"""The EAGLE drafter: exact on every architecture, its own cache kept right, training that matches
+decoding, the dynamic tree it builds, and lossless sampling through it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from conftest import chi2_check, distill_dataset, hf_greedy, tiny_model
+from selfspec import cache as kv
+from selfspec.backbone import Backbone, config_fingerprint
+from selfspec.decode import decode
+from selfspec.drafters.base import Draft
+from selfspec.drafters.eagle import EagleDrafter, parse_dynamic_tree
+from selfspec.drafters.lookup import graft
+from selfspec.heads import load_heads
+from selfspec.model import untrained_heads
+from selfspec.sampling import SamplingParams, probs_from_logits
+from selfspec.training.split import Sequence
+from selfspec.training.tasks.eagle import pad_batch, target_pass
+from selfspec.tree import build_tree
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
+GREEDY = SamplingParams()
+
+
+def _prompt(vocab: int, seed: int, n: int = 7) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _decode(bb, drafter, ids, n=40, params=GREEDY, generator=None):
+    return decode(bb, drafter, ids[0], params=params, max_new_tokens=n, eos_token_ids=set(), generator=generator)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle_greedy_is_exact_on_every_architecture(arch, one_thread):
+    model = tiny_model(arch)
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    for seed in range(2):
+        ids = _prompt(model.config.vocab_size, seed)
+        ref = hf_greedy(model, ids, 40)[0, ids.shape[1]:].tolist()
+        for depth, expand, nodes, lookup in ((5, 4, 8, 0), (3, 2, 4, 6), (1, 1, 1, 0), (6, 3, 16, 4)):
+            drafter = EagleDrafter(bb, heads, depth=depth, expand=expand, nodes=nodes, lookup=lookup)
+            new, stats = _decode(bb, drafter, ids)
+            assert new == ref, f"{arch} dynamic-{depth}-{expand}-{nodes} lookup {lookup}: diverged"
+            assert stats.drafted >= stats.steps * min(nodes, expand * depth)
+
+
+class GraftingEagle(EagleDrafter):
+    """The eagle drafter plus the true continuation grafted in, j tokens at step j mod 6: every
+    accepted length from 0 to 5 happens, through nodes the head drafted and nodes it never ran."""
+
+    def __init__(self, *args, reference: list[int], **kw):
+        super().__init__(*args, **kw)
+        self.reference, self.step = reference, 0
+
+    def draft(self, state):
+        d = super().draft(state)
+        j, self.step = self.step % 6, self.step + 1
+        chain = self.reference[len(state.ids): len(state.ids) + j]
+        paths, tokens = graft(d.tree.paths, d.tokens.tolist(), chain)
+        return Draft(tree=build_tree(paths), tokens=torch.tensor(tokens))
+
+
+def _fresh_head_cache(bb, heads, ids: list[int]):
+    """The head's cache and last output state computed from scratch over ids[:-1] (the committed tokens)."""
+    P = len(ids) - 1
+    t = torch.tensor([ids])
+    out = bb.model.model(input_ids=t[:, :P], output_hidden_states=True, use_cache=False)
+    aux = torch.cat([out.hidden_states[a] for a in heads.config.aux_layers], dim=-1)
+    cache = kv.new_cache()
+    pos = torch.arange(P)[None]
+    states = heads.module(heads.module.fuse(aux), bb.embed_tokens(t[:, 1:P + 1]),
+                          position_embeddings=bb.rotary_emb(aux, position_ids=pos), cache=cache)
+    return cache, states[:, -1:]
+
+
+def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(one_thread):
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    ids = _prompt(model.config.vocab_size, 3)
+    reference = hf_greedy(model, ids, 60)[0].tolist()
+    drafter = GraftingEagle(bb, heads, depth=3, expand=2, nodes=4, reference=reference)
+    seen, checks = set(), 0
+    original_commit = drafter.commit
+
+    def checked_commit(state, accepted, out):
+        nonlocal checks
+        original_commit(state, accepted, out)
+        seen.add(accepted.num_accepted)
+        assert drafter.committed == state.past_len
+        fresh, root = _fresh_head_cache(bb, heads, state.ids)
+        layer, mine = fresh.layers[0], drafter.cache.layers[0]
+        assert mine.keys.shape[-2] == state.past_len
+        torch.testing.assert_close(mine.keys, layer.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values, layer.values, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(drafter.root_state, root, atol=1e-5, rtol=1e-4)
+        checks += 1
+
+    drafter.commit = checked_commit
+    new, _ = _decode(bb, drafter, ids, n=60)
+    assert new == reference[ids.shape[1]:]
+    assert checks > 10 and set(range(6)) <= seen
+
+
+def test_training_time_test_equals_what_the_drafter_computes(one_thread):
+    """Unrolled step j at slot i == the head drafting j tokens ahead of committed slot i - j."""
+    model = tiny_model("qwen2")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    head, L = heads.module, 14
+    seq = Sequence(ids=torch.randint(3, 97, (L,), generator=torch.Generator().manual_seed(0)), response_start=4)
+    ids, am, _ = pad_batch([seq])
+    aux, _ = target_pass(bb, ids, am, aux_layers=heads.config.aux_layers, lm_weight=bb.lm_head.weight)
+    feature = head.fuse(aux)
+    emb = bb.embed_tokens(torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1))
+    rope = lambda p: bb.rotary_emb(emb, position_ids=torch.as_tensor(p)[None])  # noqa: E731
+    past, unrolled, f = [], [], feature
+    for _ in range(4):
+        states, kvs = head.ttt_step(f, emb, position_embeddings=rope(range(L)), past=past)
+        past.append(kvs)
+        unrolled.append(states)
+        f = F.pad(states, (0, 0, 1, 0))[:, :L]
+    for last in range(L - 4):
+        cache = kv.new_cache()
+        state = head(feature[:, :last + 1], emb[:, :last + 1], position_embeddings=rope(range(last + 1)), cache=cache)[:, -1:]
+        torch.testing.assert_close(state, unrolled[0][:, last:last + 1], atol=1e-5, rtol=1e-4)
+        for j in range(1, 4):
+            state = head(state, emb[:, last + j:last + j + 1], position_embeddings=rope([last + j]), cache=cache)
+            torch.testing.assert_close(state, unrolled[j][:, last + j:last + j + 1], atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- the dynamic tree
+
+
+class MarkovHead:
+    """A stand-in head whose draft distribution depends only on the last token: logits = log T[token]."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def logits(self, states):            # states carry their token as a one-hot
+        return self.table[states.argmax(-1)].clamp(min=1e-12).log()
+
+
+class MarkovEagle(EagleDrafter):
+    """The eagle drafter's tree search over a MarkovHead (no model calls)."""
+
+    def __init__(self, table, **kw):
+        self.backbone = type("BB", (), {"device": torch.device("cpu"), "vocab_size": table.shape[0]})()
+        self.head, self.vocab, self.lookup, self.threshold = MarkovHead(table), None, 0, kw.pop("threshold", 0.0)
+        self.depth, self.expand, self.nodes = kw["depth"], kw["expand"], kw["nodes"]
+        self.cache, self.committed = kv.new_cache(), 0
+
+    def _run(self, feature, tokens, positions, mask=None):
+        return F.one_hot(tokens, self.table.shape[0]).float()[None]
+
+    def start(self, token: int):
+        self.root_state = F.one_hot(torch.tensor([[token]]), self.table.shape[0]).float()
+        return self
+
+    @property
+    def table(self):
+        return self.head.table
+
+
+def _reference_tree(table, root, depth, expand, nodes):
+    """EAGLE-2 by brute force: expand the best ``expand`` of each level, keep the best ``nodes`` paths."""
+    logp = table.clamp(min=1e-12).log()
+    level = [((int(t),), float(logp[root, t])) for t in logp[root].topk(expand).indices]
+    pool = list(level)
+    for _ in range(depth - 1):
+        top = sorted(level, key=lambda x: -x[1])[:expand]
+        level = [(p + (int(c),), s + float(logp[p[-1], c])) for p, s in top for c in logp[p[-1]].topk(expand).indices]
+        pool += level
+    return {p for p, _ in sorted(pool, key=lambda x: -x[1])[:nodes]}
+
+
+def _token_paths(draft: Draft) -> set:
+    toks = draft.tokens.tolist()
+    return {tuple(toks[j] for j in draft.tree.path_to(i)[1:]) for i in range(1, draft.tree.size)}
+
+
+def test_dynamic_tree_keeps_the_best_paths_of_hand_built_distributions():
+    g = torch.Generator().manual_seed(0)
+    from selfspec.drafters.base import DecodeState
+
+    for trial in range(20):
+        V = 7
+        table = torch.rand(V, V, generator=g) ** 3
+        table = table / table.sum(-1, keepdim=True)
+        depth, expand, nodes = 2 + trial % 3, 2 + trial % 2, 3 + trial % 6
+        drafter = MarkovEagle(table, depth=depth, expand=expand, nodes=nodes).start(0)
+        state = DecodeState(ids=[5, 0], cache=None, params=GREEDY, generator=None)
+        d = drafter.draft(state)
+        assert _token_paths(d) == _reference_tree(table, 0, depth, expand, nodes)
+        assert d.tree.size == nodes + 1 and bool((d.tree.parents[1:] < torch.arange(1, d.tree.size)).all())
+    # A threshold cuts paths the draft gives less than that probability (and keeps a tree).
+    drafter = MarkovEagle(table, depth=3, expand=2, nodes=8, threshold=0.05).start(0)
+    d = drafter.draft(DecodeState(ids=[5, 0], cache=None, params=GREEDY, generator=None))
+    probs = {p: torch.tensor([float(table[a, b]) for a, b in zip((0,) + p[:-1], p)]).prod() for p in _token_paths(d)}
+    assert all(v >= 0.05 for v in probs.values())
+
+
+def test_dynamic_tree_spec_is_validated():
+    assert parse_dynamic_tree("dynamic-5-4-8") == {"depth": 5, "expand": 4, "nodes": 8}
+    for bad in ("dynamic-5-4", "chain-4", "dynamic-0-4-8", "dynamic-a-b-c"):
+        with pytest.raises(ValueError, match="eagle tree"):
+            parse_dynamic_tree(bad)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+V_SMALL, L_SEQ, N_SAMPLES = 6, 3, 4000
+
+
+def _exact_sequences(model, prompt: list[int], params) -> dict:
+    """P(first L_SEQ sampled tokens) of the plain model, by enumerating every prefix."""
+    out = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V_SMALL), repeat=L_SEQ):
+            prob = 1.0
+            for i in range(L_SEQ):
+                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
+                prob *= float(probs_from_logits(logits, params)[seq[i]])
+            out[seq] = prob
+    return out
+
+
+def _sampled_sequences(bb, drafter, prompt, params, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(N_SAMPLES):
+        new, _ = decode(bb, drafter, torch.tensor(prompt), params=params, max_new_tokens=L_SEQ, eos_token_ids=set(),
+                        generator=g)
+        counts[tuple(new)] = counts.get(tuple(new), 0) + 1
+    return counts
+
+
+class GreedyCandidatesWhenSampling(EagleDrafter):
+    """Planted bug: when sampling, propose the draft's top tokens instead of draws from q."""
+
+    def _candidates(self, logits, state):
+        cand, score, q = super()._candidates(logits, state)
+        return q.topk(self.expand, dim=-1).indices, score, q
+
+
+@pytest.mark.parametrize("lookup", [2])
+def test_eagle_dynamic_tree_sampling_is_lossless(lookup, one_thread):
+    """Lossless through the real decode loop: drafted trees (a beam decided by q alone), plus
+    copied point-mass chains when the context repeats (lookup)."""
+    model = tiny_model("llama", vocab_size=V_SMALL)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)   # undo most of the sharpening: spread-out p
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    params = SamplingParams(do_sample=True, temperature=1.0, top_p=0.95)
+    prompt = [1, 2, 3, 1, 2]
+    exact = _exact_sequences(model, prompt, params)
+    drafter = EagleDrafter(bb, heads, depth=3, expand=2, nodes=4, lookup=lookup)
+    stat, threshold = chi2_check(_sampled_sequences(bb, drafter, prompt, params, seed=1), exact, N_SAMPLES)
+    assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: not the target distribution"
+
+
+def test_eagle_sampling_check_catches_a_planted_bug(one_thread):
+    model = tiny_model("llama", vocab_size=V_SMALL)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    params = SamplingParams(do_sample=True, temperature=1.0, top_p=0.95)
+    prompt = [1, 2, 3, 1, 2]
+    drafter = GreedyCandidatesWhenSampling(bb, heads, depth=3, expand=2, nodes=4)
+    stat, threshold = chi2_check(_sampled_sequences(bb, drafter, prompt, params, seed=1),
+                                 _exact_sequences(model, prompt, params), N_SAMPLES)
+    assert stat > threshold
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def test_train_eagle_head_learns_and_stays_exact(tmp_path, one_thread):
+    from selfspec.training.train import TrainConfig, train_heads
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(48):
+        prompt = torch.randint(3, 97, (6,), generator=g)
+        full = hf_greedy(model, prompt[None], 24)[0].tolist()
+        rows.append((full, 6))
+    config = TrainConfig(kind="eagle", steps=60, lr=3e-3, warmup=5, batch_size=8, eval_every=30, save_every=30,
+                         draft_vocab_size=0, ttt_steps=3, eval_fraction=0.1,
+                         out=str(tmp_path / "eagle"))
+    result = train_heads(model, distill_dataset(rows), config=config, name="tiny", eos_token_ids=[], progress=False)
+    first, last = result.evals[0], result.evals[-1]
+    # A random tiny target is hard to predict two tokens ahead: the loss must fall, and every step's top-5 rise.
+    assert last.loss < 0.7 * first.loss and all(b > a for a, b in zip(first.top5, last.top5))
+    heads = load_heads(tmp_path / "eagle", expect_kind="eagle", fingerprint=config_fingerprint(model.config), model=model)
+    # The LM head is the target's own (shared, not stored): the file holds the rest only.
+    assert (tmp_path / "eagle" / "model.safetensors").stat().st_size < 4 * sum(
+        p.numel() for n, p in heads.module.named_parameters() if not n.startswith("lm_head")) + 10_000
+    bb = Backbone(model)
+    for seed in range(3):
+        ids = torch.tensor([rows[-1 - seed][0][:6]])
+        ref = hf_greedy(model, ids, 30)[0, 6:].tolist()
+        new, _ = _decode(bb, EagleDrafter(bb, heads, depth=4, expand=2, nodes=6), ids, n=30)
+        assert new == ref
+
+
+def test_eval_heads_scores_an_eagle_head_per_draft_step(one_thread):
+    from selfspec.training.evaluate import eagle_rank_accuracy
+    from selfspec.training.tasks.eagle import ttt_loss
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for _ in range(3):
+        prompt = torch.randint(3, 97, (1, 5), generator=g)
+        seqs.append(Sequence(ids=hf_greedy(model, prompt, 12)[0], response_start=5))
+    acc = eagle_rank_accuracy(model, heads, seqs, max_rank=5, steps=3)
+    assert len(acc) == 3 and all(len(a) == 5 and 0 <= sum(a) <= 1 + 1e-6 for a in acc)
+    # Rank 0 at each step is the training loss's top-1 on the same rows (greedy data: the target's own tokens).
+    ids, am, rows = pad_batch(seqs)
+    aux, teacher = target_pass(bb, ids, am, aux_layers=heads.config.aux_layers, lm_weight=bb.lm_head.weight)
+    with torch.no_grad():
+        r = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
+    assert [round(a[0], 5) for a in acc] == [round(float(t), 5) for t in r.top1]
