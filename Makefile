@@ -33,12 +33,14 @@ DRAFT := $(firstword $(wildcard checkpoints/smollm2-135m/draft-*l) .cache/draft-
 GEN := $(BIN)/selfspec generate --model smollm2-135m --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
 
 demo: install $(DRAFT)
+	@echo; echo "=== the default drafter (the shipped one measured fastest) ==="; $(GEN)
+	@echo; echo "=== EAGLE feature head ==="; $(GEN) --drafter eagle
 	@echo; echo "=== Medusa heads ==="; $(GEN) --drafter medusa
 	@echo; echo "=== early exit at layer 15 of 30 ==="; $(GEN) --drafter early-exit
 	@echo; echo "=== two-model: draft $(DRAFT) ==="; $(GEN) --drafter draft-model --draft-model $(DRAFT)
 	@echo; echo "=== short bench: 5 prompts, 64 new tokens, against transformers' greedy generate ==="
 	$(BIN)/selfspec bench --model smollm2-135m --prompts scripts/demo_prompts.jsonl --max-new-tokens 64 \
-		--methods hf-greedy,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
+		--methods hf-greedy,selfspec-ar,selfspec-lookup,selfspec-eagle,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
 		--draft-model $(DRAFT) --out bench-out/demo
 
 test: install

@@ -61,7 +61,8 @@ def _eval_section(ev: dict) -> list[str]:
              "", "| head | top-1 | top-5 |" + (" top-1 held-out train | top-5 held-out train |" if ref else ""),
              "|---|---|---|" + ("---|---|" if ref else "")]
     for k, (t1, t5) in enumerate(zip(ev["top1"], ev["top5"])):
-        name = k + 1 if medusa else {"early-exit": "exit", "draft-model": "draft (next token)"}[ev["kind"]]
+        name = k + 1 if medusa else {"early-exit": "exit", "draft-model": "draft (next token)",
+                                     "eagle": f"draft step {k + 1}"}[ev["kind"]]
         row = f"| {name} | {t1:.1%} | {t5:.1%} |"
         lines.append(row + (f" {ref['top1'][k]:.1%} | {ref['top5'][k]:.1%} |" if ref else ""))
     return lines + [""]
@@ -73,6 +74,9 @@ DATA_NOTES = {
     "smollm2-135m-t0.7": "16 answers sampled at temperature 0.7 per Self-Instruct seed prompt of train.jsonl",
     "smollm2-135m-self-instruct": "greedy answers to prompts the target wrote itself in the style of those "
                                   "seeds (`selfspec synth-prompts`, training/prompts/smollm2-135m-self-instruct.jsonl)",
+    "broad-ref": "teacher forcing: the broad prompt set's own reference answers (QA over passages, dialogue "
+                 "summarisation, translation, MATH, code, roleplay, writing, factoid QA, adversarial requests), "
+                 "`selfspec gen-data --references`; the target's distributions over them are the teacher",
 }
 
 
@@ -83,7 +87,8 @@ def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
     if not data:
         return ["- data: unknown"]
     dirs = data_dirs(data)
-    lines = ["- data (self-distillation: the target's own answers; dev prompts never used):"]
+    lines = ["- data (self-distillation: the target's own distributions over its answers or reference answers; "
+             "dev prompts never used):"]
     for i, d in enumerate(dirs):
         used = rows[i] if rows else None
         ds = load_distillation_data(d, rows=[used] if used is not None else None)
@@ -156,6 +161,15 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
         wide = [f"head {k + 1}: {w}" for k, w in enumerate(cfg.get("head_mlp") or []) if w]
         if wide:
             lines.append(f"Heads with a second, wider residual MLP (width): {', '.join(wide)}.")
+    elif kind == "eagle":
+        lines.append(f"An EAGLE-3-class feature head: one decoder layer ({cfg['attn_heads']} attention heads, "
+                     f"{cfg['kv_heads']} KV heads, MLP width {cfg['intermediate_size']}) over the target's hidden states "
+                     f"after layers {', '.join(str(a) for a in cfg['aux_layers'])} (fused 3H -> H) and the next token's "
+                     "embedding; it drafts autoregressively with its own KV cache, as a dynamic tree (EAGLE-2)."
+                     + (" Its LM head is the target's own (draft-vocabulary rows, not stored)."
+                        if cfg.get("shared_lm_head") else ""))
+        lines.append(f"Training-time test: {tc.get('ttt_steps')} draft steps unrolled per position, loss "
+                     f"sum_j {tc.get('head_weight_base')}^j KL(target || draft), on {tc.get('loss_rows')} rows.")
     else:
         lines.append(f"Exit adapter `{cfg.get('adapter', 'mlp')}` on the hidden states after the first "
                      f"{cfg['exit_layer']} decoder layers (final norm and LM head shared with the target).")
@@ -170,8 +184,12 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               *_data_lines(extra.get("data"), extra.get("rows") or ([extra["sequences"]] if "sequences" in extra else None)),
               f"- steps: {extra.get('steps')} (batch {tc.get('batch_size')} x accumulation {tc.get('grad_accum')}), "
               f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine",
-              f"- response tokens seen: {extra.get('tokens_seen')}",
-              f"- wall time: {extra.get('wall_s')} s on {hardware} (the one-off backbone feature pass not included)",
+              f"- response tokens seen: {extra.get('tokens_seen')}"
+              + (f" (the loss also reads the prompt rows: {tc.get('batch_size')} x {extra.get('steps')} sequences of at most "
+                 f"{tc.get('max_len')} tokens)" if tc.get("loss_rows") == "all" else ""),
+              f"- wall time: {extra.get('wall_s')} s on {hardware}"
+              + (" (the frozen target runs inside every step)" if kind == "eagle" else
+                 " (the one-off backbone feature pass not included)"),
               *_init_lines(extra.get("init"), hardware),
               f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
               f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
@@ -191,6 +209,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "|---|---|---|---|---|---|---|---|---|"]
         for c in ts["candidates"]:
             name = c["spec"] if isinstance(c["spec"], str) else f"{c['size']}-node Medusa tree"
+            name = f"{name} (depth-expand-nodes)" if name.startswith("dynamic-") else name
             t, nodes = c.get("threshold", 0.0), c.get("nodes_per_step")
             speedup = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
             lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | {c.get('lookup', 0)} | "

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Train every shipped checkpoint of the demo model from data made by gen_distill_data.sh: Medusa
-# heads, both exit adapters (MLP, shipped; decoder layer, compared), and the distilled 2-layer
-# draft; then tune each drafter's tree by measured decoding speed. The backbone feature pass runs
-# once (in the first command) and is shared by all through the on-disk cache.
+# Train every shipped checkpoint of the demo model from data made by gen_distill_data.sh: the EAGLE
+# feature head (also on the teacher-forced broad data, PROMPTS=path/to/broad.jsonl), Medusa heads,
+# both exit adapters (MLP, shipped; decoder layer, compared), and the distilled 2-layer draft (the
+# two-model baseline; not shipped since the EAGLE head, to keep checkpoints/ small); then tune each
+# drafter's tree by measured decoding speed. The backbone feature pass of Medusa and early exit runs
+# once (in their first command) and is shared through the on-disk cache; the EAGLE head's runs
+# inside its training steps.
 #   scripts/train_demo_checkpoints.sh          (2-core CPU, one run after another: about 1.5 h)
 # Env: THREADS (2), DATA (the three directories of gen_distill_data.sh, comma-separated, the rows stage 1
 # used), WARM_DATA (the same with all self-instruct rows).
@@ -16,13 +19,20 @@ THREADS=${THREADS:-2}
 DATA=${DATA:-training/data/smollm2-135m-greedy@6656,training/data/smollm2-135m-self-instruct@1500,training/data/smollm2-135m-t0.7}
 # Medusa stage 2 (warm start from stage 1) adds the second round of self-instruct answers.
 WARM_DATA=${WARM_DATA:-training/data/smollm2-135m-greedy@6656,training/data/smollm2-135m-self-instruct@4500,training/data/smollm2-135m-t0.7}
+PROMPTS=${PROMPTS:?set PROMPTS to the broad prompt set (broad.jsonl, rows with a reference answer)}
 CK=checkpoints/smollm2-135m
 LAYER=.cache/heads/smollm2-135m-early-exit-layer
-for d in .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$CK/draft-2l"; do
+DRAFT=.cache/drafts/smollm2-135m-draft-2l
+for d in .cache/heads/smollm2-135m-eagle .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
 T=(--threads "$THREADS")
+run selfspec gen-data --model smollm2-135m --prompts "$PROMPTS" --references --max-new-tokens 256 --out .cache/data/broad-ref
+run selfspec train-heads --config training/recipes/smollm2-135m-eagle.yaml "${T[@]}"
+run selfspec tune-tree --model smollm2-135m --heads .cache/heads/smollm2-135m-eagle --repeats 1 "${T[@]}" \
+    --data .cache/data/broad-ref,training/data/smollm2-135m-greedy,training/data/smollm2-135m-t0.7,training/data/smollm2-135m-self-instruct
+mkdir -p "$CK/eagle" && cp .cache/heads/smollm2-135m-eagle/{config.json,model.safetensors} "$CK/eagle/"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-warm.yaml --data "$WARM_DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$WARM_DATA" "${T[@]}" --prompts-n 6
@@ -30,6 +40,6 @@ run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml 
 run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 6
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit-layer.yaml --data "$DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$LAYER" --data "$DATA" "${T[@]}" --prompts-n 4 --repeats 1
-run selfspec train-draft --model smollm2-135m --layers 2 --data "$DATA" --out "$CK/draft-2l" \
+run selfspec train-draft --model smollm2-135m --layers 2 --data "$DATA" --out "$DRAFT" \
     --steps 400 --lr 5e-4 --warmup 30 --eval-every 200 --save-every 200 "${T[@]}"
 echo "=== done ($(date -u +%H:%M:%S))"

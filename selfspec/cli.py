@@ -16,20 +16,8 @@ from pathlib import Path
 
 from . import __version__
 from .drafters import DRAFTERS
+from .shipped import default_drafter, shipped_draft
 
-REPO_CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
-
-
-def shipped_heads(model: str, drafter: str) -> Path | None:
-    """Heads shipped in this repo for the demo model (checkpoints/<model>/<drafter>), if any."""
-    path = REPO_CHECKPOINTS / model / drafter
-    return path if (path / "config.json").is_file() else None
-
-
-def shipped_draft(model: str) -> Path | None:
-    base = REPO_CHECKPOINTS / model
-    drafts = sorted(base.glob("draft-*l")) if base.is_dir() else []
-    return drafts[0] if drafts else None
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool):
@@ -66,9 +54,9 @@ def cmd_generate(args) -> int:
 
     from .model import SelfSpeculativeModel
 
+    drafter = default_drafter(args.model) if args.drafter == "auto" else args.drafter
+    args.drafter = drafter
     heads = args.heads
-    if heads is None and args.drafter in ("medusa", "early-exit", "eagle"):
-        heads = shipped_heads(args.model, args.drafter)
     if args.draft_model is not None and args.drafter != "draft-model":
         raise ValueError("--draft-model only applies to --drafter draft-model")
     if args.heads is not None and args.drafter not in ("medusa", "early-exit", "eagle"):
@@ -103,7 +91,8 @@ def cmd_generate(args) -> int:
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with self-speculative decoding, then print the stats")
     p.add_argument("--model", default="smollm2-135m", help="alias, model directory, .gguf file or hub id")
-    p.add_argument("--drafter", default="medusa", choices=list(DRAFTERS))
+    p.add_argument("--drafter", default="auto", choices=["auto", *DRAFTERS],
+                   help="auto: the shipped drafter measured fastest for the demo model (else the context lookup)")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped checkpoint for the demo model)")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft-model")
     p.add_argument("--tree", default="auto", help="auto | chain-K | chain-K-wW | eagle: dynamic-D-K-M")

@@ -27,6 +27,7 @@ from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, sav
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
+from .shipped import default_drafter, shipped_draft, shipped_heads
 from .tree import MEDUSA_DEFAULT, build_tree, chain, parse_tree
 
 log = logging.getLogger(__name__)
@@ -155,13 +156,15 @@ class SelfSpeculativeModel:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, name_or_path, drafter: str = "medusa", heads=None, exit_layer: int | None = None,
+    def from_pretrained(cls, name_or_path, drafter: str = "auto", heads=None, exit_layer: int | None = None,
                         draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS,
                         threshold="auto", gate="auto", lookup="auto"):
         """Load a target model and attach a drafter.
 
-        heads: a heads directory (from ``selfspec train-heads``) for ``medusa`` / ``early-exit``; None gives
-        untrained heads (output still exact, acceptance low) with a warning. draft_model: a model name/path
+        drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
+        default.json``), else the context lookup. heads: a heads directory (from ``selfspec train-heads``) for
+        ``medusa`` / ``early-exit`` / ``eagle``; None takes the shipped heads of the demo model, and for any
+        other model gives untrained heads (output still exact, acceptance low) with a warning. draft_model: a model name/path
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
         "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit only; each step
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
@@ -171,7 +174,13 @@ class SelfSpeculativeModel:
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
         drafter="lookup" drafts only such copies (no heads; "auto" = 8). Output is unchanged either way.
         """
+        if drafter == "auto":
+            drafter = default_drafter(name_or_path)
         check_drafter_name(drafter)
+        if heads is None and drafter in ("medusa", "early-exit", "eagle"):
+            heads = shipped_heads(name_or_path, drafter)
+        if draft_model is None and drafter == "draft-model":
+            draft_model = shipped_draft(name_or_path)
         if drafter not in ("medusa", "early-exit", "eagle") and threshold not in ("auto", None, 0, 0.0):
             raise ValueError(f"threshold applies to the medusa, early-exit and eagle drafters, not {drafter!r}")
         if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):

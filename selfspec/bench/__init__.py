@@ -47,7 +47,8 @@ def run_bench_cli(args) -> int:
 
     import torch
 
-    from ..cli import encode_prompt, shipped_draft, shipped_heads
+    from ..cli import encode_prompt
+    from ..shipped import shipped_draft, shipped_heads
     from ..loading import load_model
 
     if args.limit is not None and args.limit < 1:

@@ -17,7 +17,8 @@ The tree, per step (EAGLE-2):
 * level d + 1: the ``expand`` best nodes of level d (by path score) are run through the head in
   one call, and each proposes ``expand`` children;
 * finally, greedy keeps the ``nodes`` best nodes of all drafted (path probabilities; a child never
-  outscores its parent, so the kept set is a tree), and cuts those below ``threshold``.
+  outscores its parent, so the kept set is a tree), and cuts those below ``threshold``; drafting
+  stops early at a level whose best path is already below it (on a CPU each level costs a head call).
 
 Sampling stays exact (``verify.rejection_accept_tree``): a node's children are drawn without
 replacement from that node's own distribution, in draw order, and whether a child is kept or
@@ -32,11 +33,14 @@ With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the contex
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import cache as kv
 from ..backbone import Backbone
 from ..heads import Heads
+from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
 from ..tree import tree_from_parents
 from ..verify import Accepted
@@ -84,9 +88,12 @@ class EagleDrafter(Drafter):
         self.head = heads.module
         self.depth, self.expand, self.nodes = check_dynamic_tree(depth, expand, nodes)
         self.threshold = check_threshold(threshold)
+        self.log_threshold = math.log(self.threshold) if self.threshold > 0 else -math.inf
         self.lookup = check_lookup(lookup)
         self.vocab = heads.draft_vocab                 # (V_draft,) draft id -> token id, or None
         self.capture_layers = aux
+        # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
+        self.project = Projection(self.head.lm_head.weight)
         self.cache = kv.new_cache()
         self.committed = 0                             # head cache slots that hold committed tokens
         self.root_state: torch.Tensor | None = None    # (1, 1, H) output of the last committed slot
@@ -140,7 +147,7 @@ class EagleDrafter(Drafter):
         dev, P, k = self.backbone.device, state.past_len, self.expand
         sampling = state.params.do_sample
         # The pool of drafted nodes, node 0 = the root; children appended level by level.
-        cand, score, q = self._candidates(self.head.logits(self.root_state[0]), state)    # (1, k)
+        cand, score, q = self._candidates(self._logits(self.root_state[0]), state)        # (1, k)
         tokens = [torch.tensor([state.ids[-1]], device=dev), self._to_ids(cand[0])]
         parents = [torch.tensor([-1], device=dev), torch.zeros(k, dtype=torch.long, device=dev)]
         ranks = [torch.zeros(1, dtype=torch.long, device=dev), torch.arange(k, device=dev)]
@@ -156,6 +163,8 @@ class EagleDrafter(Drafter):
             lvl_scores = torch.cat(scores)[level]
             best = torch.sort(-lvl_scores, stable=True).indices[:k]
             top, top_scores = level[best], lvl_scores[best]                     # the level's best k
+            if self.threshold > 0 and float(top_scores[0]) < self.log_threshold:
+                break   # every deeper path scores lower still: the threshold would cut it, so draft no further
             frontiers.append(top)
             all_par = torch.cat(parents)
             # Each runs in slot P + d - 1, reading its parent's output state.
@@ -166,7 +175,7 @@ class EagleDrafter(Drafter):
             states = self._run(feature, torch.cat(tokens)[top], torch.full((top.shape[0],), P + d - 1, device=dev), mask)
             for j, node in enumerate(top.tolist()):
                 state_of[node] = states[:, j]
-            cand, score, q = self._candidates(self.head.logits(states[0]), state)  # (k, k)
+            cand, score, q = self._candidates(self._logits(states[0]), state)      # (k, k)
             m = top.shape[0] * k
             tokens.append(self._to_ids(cand.reshape(-1)))
             parents.append(top.repeat_interleave(k))
@@ -204,6 +213,10 @@ class EagleDrafter(Drafter):
             q_index = qrows[nodes]
         draft = Draft(tree=tree, tokens=tokens[nodes], q=q_full, q_index=q_index)
         return with_lookup(draft, state, self.lookup, vocab_size=self.backbone.vocab_size)
+
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        """(r, H) output states -> (r, V_draft) draft logits."""
+        return self.project(self.head.norm(states))
 
     def _tree_mask(self, top: torch.Tensor, parents: torch.Tensor, slot_of: torch.Tensor, d: int) -> torch.Tensor:
         """(1, 1, k, T) additive mask: committed slots, each node's drafted ancestors' slots and its own."""

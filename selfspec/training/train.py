@@ -71,7 +71,7 @@ class TrainConfig:
     exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
     exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
     cache_features: bool = True       # one backbone pass up front, kept on disk; epochs then cost only the heads
-    feature_dtype: str = "float32"    # that pass's precision: float32 | bfloat16 (autocast, faster on CPUs with BF16)
+    feature_dtype: str = "float32"    # that pass's precision (eagle: its in-step target pass): float32 | bfloat16 (autocast)
     save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     init: str | None = None           # warm start: a heads directory whose weights and draft vocabulary this run starts from

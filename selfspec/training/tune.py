@@ -50,6 +50,7 @@ EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
 # eagle: (dynamic tree, threshold, lookup); depth / expand / nodes span a cheap chain-like tree to a wide one
 EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-3-6", 0.0, 0), ("dynamic-5-4-8", 0.0, 0),
               ("dynamic-6-4-12", 0.0, 0), ("dynamic-5-4-8", 0.05, 0), ("dynamic-6-4-12", 0.05, 0),
+              ("dynamic-5-3-6", 0.15, 0), ("dynamic-6-4-8", 0.1, 0),
               ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 

@@ -1,0 +1,35 @@
+"""Heads and drafts shipped in this repository for the demo model, and the drafter it uses by default.
+
+One resolver for the Python API, the CLI and the bench: ``checkpoints/<model>/<drafter>/`` holds a
+heads directory per drafter, ``checkpoints/<model>/draft-<L>l/`` a distilled draft model, and
+``checkpoints/<model>/default.json`` names the drafter that measured fastest (with the bench run
+that measured it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def shipped_heads(model: str, drafter: str) -> Path | None:
+    """Heads shipped for ``model`` (an alias such as ``smollm2-135m``) and ``drafter``, if any."""
+    path = CHECKPOINTS / str(model) / drafter
+    return path if (path / "config.json").is_file() else None
+
+
+def shipped_draft(model: str) -> Path | None:
+    base = CHECKPOINTS / str(model)
+    drafts = sorted(base.glob("draft-*l")) if base.is_dir() else []
+    return drafts[0] if drafts else None
+
+
+def default_drafter(model: str) -> str:
+    """The drafter ``drafter="auto"`` means for ``model``: the shipped one measured fastest, else the
+    context lookup (it needs no training, and costs nothing when the text does not repeat)."""
+    path = CHECKPOINTS / str(model) / "default.json"
+    if path.is_file():
+        return json.loads(path.read_text())["drafter"]
+    return "lookup"
