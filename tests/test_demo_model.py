@@ -66,7 +66,7 @@ def test_demo_shipped_heads_identical_to_transformers(demo, references, drafter)
         assert out.shape == ref.shape and torch.equal(out, ref), f"shipped {drafter} heads diverged from transformers"
         taus.append(sm.last_stats.tau)
     # Trained heads get drafts accepted (the tuned exit threshold proposes only confident ones, so fewer).
-    assert sum(taus) / len(taus) > {"medusa": 1.2, "eagle": 1.5}.get(drafter, 1.02)
+    assert sum(taus) / len(taus) > {"medusa": 1.2, "eagle": 1.1}.get(drafter, 1.02)
 
 
 def test_demo_default_drafter_is_the_shipped_one(demo, references):
