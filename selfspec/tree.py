@@ -83,13 +83,16 @@ class Tree:
         """Additive mask (1, 1, n_rows, past_len + n): every node sees the whole past and its own ancestors."""
         anc = self.ancestors[rows]
         visible = torch.cat([torch.ones(anc.shape[0], past_len, dtype=torch.bool, device=anc.device), anc], dim=1)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=anc.device)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[None, None]
+        return additive_mask(visible, dtype)
 
     def position_ids(self, past_len: int) -> torch.Tensor:
         """(1, n): the root sits at ``past_len``, a node at depth d at ``past_len + d``."""
         return (self.depths + past_len)[None]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(n, T) bool (True = may attend) -> (1, 1, n, T) additive mask: 0 where visible, dtype's min elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def chain(k: int) -> tuple[Path, ...]:

@@ -97,13 +97,18 @@ def row_candidates(
     if state.params.do_sample:
         q_small = probs_from_logits(logits, state.params)
         cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
-        q = q_small if vocab is None else q_small.new_zeros(q_small.shape[0], vocab_size).index_copy_(1, vocab, q_small)
+        q = full_vocab(q_small, vocab, vocab_size)
         conf = q_small.max(-1, keepdim=True).values.expand(-1, width)
     else:
         cand = pick_candidates(logits, width, params=state.params, generator=None)
         q = None
         conf = logits.float().softmax(-1).gather(1, cand)
     return Candidates(tokens=cand if vocab is None else vocab[cand], q=q, conf=conf)
+
+
+def full_vocab(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """(R, V_draft) draft probabilities -> (R, V) over the whole vocabulary (zero outside the draft's)."""
+    return q if vocab is None else q.new_zeros(q.shape[0], vocab_size).index_copy_(1, vocab, q)
 
 
 def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:

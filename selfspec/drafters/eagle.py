@@ -42,9 +42,9 @@ from ..backbone import Backbone
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
-from ..tree import tree_from_parents
+from ..tree import additive_mask, tree_from_parents
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold
+from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, full_vocab
 from .lookup import with_lookup
 
 
@@ -209,7 +209,7 @@ class EagleDrafter(Drafter):
                                  max_depth=self.depth)
         q_full, q_index = None, None
         if sampling:
-            q_full = self._full_vocab(torch.cat(q_list))
+            q_full = full_vocab(torch.cat(q_list), self.vocab, self.backbone.vocab_size)
             q_index = qrows[nodes]
         draft = Draft(tree=tree, tokens=tokens[nodes], q=q_full, q_index=q_index)
         return with_lookup(draft, state, self.lookup, vocab_size=self.backbone.vocab_size)
@@ -232,8 +232,7 @@ class EagleDrafter(Drafter):
             ok = (up > 0) & (s >= 0)
             visible[torch.arange(k, device=top.device)[ok], s[ok]] = True
             up = torch.where(up > 0, parents[up.clamp(min=0)], up)
-        dtype = self.root_state.dtype
-        return torch.zeros(k, T, dtype=dtype, device=top.device).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+        return additive_mask(visible, self.root_state.dtype)
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -251,7 +250,3 @@ class EagleDrafter(Drafter):
     def _to_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.vocab is None else self.vocab[draft_ids]
 
-    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        if self.vocab is None:
-            return q
-        return q.new_zeros(q.shape[0], self.backbone.vocab_size).index_copy_(1, self.vocab, q)

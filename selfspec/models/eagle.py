@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..tree import additive_mask
+
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """Low, middle and high: the hidden states after layers 2, N/2 and N-3 (as EAGLE-3 picks them)."""
@@ -151,7 +153,7 @@ class EagleHead(nn.Module):
         if attention_mask is None and n > 1 and T > n:
             # Causal among the new slots, all of the cache visible.
             visible = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
-            attention_mask = torch.zeros(n, T, dtype=q.dtype, device=q.device).masked_fill(~visible, torch.finfo(q.dtype).min)[None, None]
+            attention_mask = additive_mask(visible, q.dtype)
         o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attention_mask,
                                            is_causal=attention_mask is None and n > 1, scale=self.scale)
         return layer.finish(feature, attn.out(o))

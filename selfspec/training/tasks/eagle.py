@@ -26,26 +26,18 @@ from torch.nn import functional as F
 from ...backbone import Backbone
 from ...models.eagle import EagleHead
 from ..losses import HeadLoss
-from ..split import Batch
+from ..split import Batch, collate
 from .heads import HeadsTask
 
 DEFAULT_TTT_STEPS = 4        # unrolled draft steps per training position (>= 3: depth the head learns to keep up)
 DEFAULT_STEP_DECAY = 0.8     # step j's loss weight is decay ** j
 
 
-def pad_batch(seqs, *, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (B, L) ids, attention mask, and ``rows`` (B, L) bool: row j is a response row
     (the target at j predicts response token j + 1)."""
-    L = max(len(s.ids) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    am = torch.zeros(len(seqs), L, dtype=torch.long)
-    rows = torch.zeros(len(seqs), L, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        n = len(s.ids)
-        ids[i, :n] = s.ids
-        am[i, :n] = 1
-        rows[i, max(s.response_start - 1, 0): n - 1] = True
-    return ids, am, rows
+    batch = collate(seqs, lead=0)
+    return batch.input_ids, batch.attention_mask, response_rows(batch)
 
 
 @torch.no_grad()
