@@ -38,10 +38,10 @@ demo: install $(DRAFT)
 	@echo; echo "=== Medusa heads ==="; $(GEN) --drafter medusa
 	@echo; echo "=== early exit at layer 15 of 30 ==="; $(GEN) --drafter early-exit
 	@echo; echo "=== two-model: draft $(DRAFT) ==="; $(GEN) --drafter draft-model --draft-model $(DRAFT)
-	@echo; echo "=== short bench: 5 prompts, 64 new tokens, against transformers' greedy generate ==="
+	@echo; echo "=== short bench: 5 prompts, 64 new tokens, against transformers' generate ==="
 	$(BIN)/selfspec bench --model smollm2-135m --prompts scripts/demo_prompts.jsonl --max-new-tokens 64 \
-		--methods hf-greedy,selfspec-ar,selfspec-lookup,selfspec-eagle,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
-		--draft-model $(DRAFT) --out bench-out/demo
+		--methods hf-generate,selfspec-ar,selfspec-lookup,selfspec-eagle,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
+		--draft-model $(DRAFT) --out bench-out/demo --force
 
 test: install
 	$(BIN)/python -m pytest -q

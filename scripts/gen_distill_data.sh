@@ -7,12 +7,13 @@
 #   3. $OUT_BASE-self-instruct: greedy answers to 4,500 new tasks the target wrote itself in the
 #                               style of those seeds (`selfspec synth-prompts`)
 #   scripts/gen_distill_data.sh [EXTRA FLAGS for gen-data...]      e.g. --batch-size 32
-# Env: MODEL (smollm2-135m), PROMPTS (../shared/data/prompts/train.jsonl; never the dev prompts),
+# Env: MODEL (smollm2-135m), PROMPTS (required: the maths/code/self-instruct training prompt file, JSONL;
+#      never training/prompts/dev.jsonl),
 #      OUT_BASE (training/data/$MODEL), LOG (/tmp/gen_data.log), THREADS (2), DTYPE (bfloat16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-smollm2-135m}
-PROMPTS=${PROMPTS:-../shared/data/prompts/train.jsonl}
+PROMPTS=${PROMPTS:?set PROMPTS to the training prompt file (JSONL with a "prompt" per line)}
 OUT_BASE=${OUT_BASE:-training/data/$MODEL}
 LOG=${LOG:-/tmp/gen_data.log}
 THREADS=${THREADS:-2}

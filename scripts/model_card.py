@@ -70,7 +70,7 @@ def _eval_section(ev: dict) -> list[str]:
 
 # What each shipped data directory holds (scripts/gen_distill_data.sh makes all three).
 DATA_NOTES = {
-    "smollm2-135m-greedy": "greedy answers to prompts of `../shared/data/prompts/train.jsonl`",
+    "smollm2-135m-greedy": "greedy answers to prompts of the project's `train.jsonl` prompt set (maths and code; not in this repository)",
     "smollm2-135m-t0.7": "16 answers sampled at temperature 0.7 per Self-Instruct seed prompt of train.jsonl",
     "smollm2-135m-self-instruct": "greedy answers to prompts the target wrote itself in the style of those "
                                   "seeds (`selfspec synth-prompts`, training/prompts/smollm2-135m-self-instruct.jsonl)",
@@ -162,9 +162,11 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
         if wide:
             lines.append(f"Heads with a second, wider residual MLP (width): {', '.join(wide)}.")
     elif kind == "eagle":
+        aux = cfg["aux_layers"]
+        final = " (transformers' hidden-state indices: the last, N, is the final state after the final norm)"
         lines.append(f"An EAGLE-3-class feature head: one decoder layer ({cfg['attn_heads']} attention heads, "
                      f"{cfg['kv_heads']} KV heads, MLP width {cfg['intermediate_size']}) over the target's hidden states "
-                     f"after layers {', '.join(str(a) for a in cfg['aux_layers'])} (fused 3H -> H) and the next token's "
+                     f"after layers {', '.join(str(a) for a in aux)}{final} (fused {len(aux)}H -> H) and the next token's "
                      "embedding; it drafts autoregressively with its own KV cache, as a dynamic tree (EAGLE-2)."
                      + (" Its LM head is the target's own (draft-vocabulary rows, not stored)."
                         if cfg.get("shared_lm_head") else ""))

@@ -23,16 +23,25 @@ PROMPTS=${PROMPTS:?set PROMPTS to the broad prompt set (broad.jsonl, rows with a
 CK=checkpoints/smollm2-135m
 LAYER=.cache/heads/smollm2-135m-early-exit-layer
 DRAFT=.cache/drafts/smollm2-135m-draft-2l
-for d in .cache/heads/smollm2-135m-eagle .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
+for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
 T=(--threads "$THREADS")
 run selfspec gen-data --model smollm2-135m --prompts "$PROMPTS" --references --max-new-tokens 256 --out .cache/data/broad-ref
-run selfspec train-heads --config training/recipes/smollm2-135m-eagle.yaml "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads .cache/heads/smollm2-135m-eagle --repeats 1 "${T[@]}" \
-    --data .cache/data/broad-ref,training/data/smollm2-135m-greedy,training/data/smollm2-135m-t0.7,training/data/smollm2-135m-self-instruct
-mkdir -p "$CK/eagle" && cp .cache/heads/smollm2-135m-eagle/{config.json,model.safetensors} "$CK/eagle/"
+SELF=training/data/smollm2-135m-greedy,training/data/smollm2-135m-t0.7,training/data/smollm2-135m-self-instruct
+E=(--config training/recipes/smollm2-135m-eagle.yaml "${T[@]}")
+# EAGLE: stage 1 on reference and own answers; stages 2-3 on the target's own answers (see the recipe). The shipped
+# stage 2 planned 400 steps and was stopped at its step-100 checkpoint; 100 steps with a full cosine is the
+# closest scripted equivalent, so a rerun lands near, not exactly on, the shipped weights.
+run selfspec train-heads "${E[@]}"
+run selfspec train-heads "${E[@]}" --init .cache/heads/smollm2-135m-eagle --data "$SELF" --loss-rows response \
+    --steps 100 --lr 3e-4 --warmup 20 --eval-fraction 0.01 --eval-every 100 --out .cache/heads/eagle-self
+run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-self --data "$SELF" --loss-rows response \
+    --aux-layers 2,15,27,30 --steps 300 --lr 4e-4 --warmup 20 --eval-fraction 0.005 --eval-every 100 --save-every 25 \
+    --out .cache/heads/eagle-final
+run selfspec tune-tree --model smollm2-135m --heads .cache/heads/eagle-final --repeats 1 --prompts-n 8 "${T[@]}" --data "$SELF"
+mkdir -p "$CK/eagle" && cp .cache/heads/eagle-final/{config.json,model.safetensors} "$CK/eagle/"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-warm.yaml --data "$WARM_DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$WARM_DATA" "${T[@]}" --prompts-n 6

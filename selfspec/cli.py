@@ -1,7 +1,10 @@
-"""Command line: ``selfspec generate`` (and the subcommands other modules register).
+"""Command line: ``selfspec generate``, ``export``, and the subcommands whose flags other modules define
+(``COMMANDS``; a command's module is imported only when that command runs, so ``--help`` and
+mistyped flags answer before torch loads).
 
 Human-readable tables by default, machine JSON with ``--json``. Bad input ends with one line on
-stderr and exit status 2, never a traceback.
+stderr and exit status 2, never a traceback; flags are checked before any model loads, and a
+command that fails on them leaves no output behind.
 """
 
 from __future__ import annotations
@@ -13,25 +16,12 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from . import __version__
-from .drafters import DRAFTERS
-from .shipped import default_drafter, shipped_draft
-
-
-
-def encode_prompt(tokenizer, prompt: str, *, chat: bool):
-    import torch
-
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat given but the tokenizer has no chat template: drop --chat")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt")
-        if not torch.is_tensor(ids):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return ids
-    return tokenizer(prompt, return_tensors="pt").input_ids
+from .io import prompt_ids
+from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
+from .training.cli_args import at_least, check_output_dir, check_prompt_text, check_sampling, check_training_config
 
 
 def format_stats(stats) -> str:
@@ -48,28 +38,36 @@ def format_stats(stats) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def cmd_generate(args) -> int:
-    import torch
-    from transformers import TextStreamer
-
-    from .model import SelfSpeculativeModel
-
-    drafter = default_drafter(args.model) if args.drafter == "auto" else args.drafter
-    args.drafter = drafter
-    heads = args.heads
+def check_generate_args(args) -> None:
+    """Everything about ``selfspec generate``'s flags that can be wrong, checked before torch loads."""
+    at_least(args.max_new_tokens, 1, "max_new_tokens")
+    check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    check_prompt_text(args.prompt)
     if args.draft_model is not None and args.drafter != "draft-model":
-        raise ValueError("--draft-model only applies to --drafter draft-model")
-    if args.heads is not None and args.drafter not in ("medusa", "early-exit", "eagle"):
-        raise ValueError("--heads only applies to --drafter medusa, early-exit or eagle")
+        raise ValueError("--draft-model only applies to --drafter draft-model: drop it or add --drafter draft-model")
+    if args.heads is not None and args.drafter not in HEADS_DRAFTERS:
+        raise ValueError(f"--drafter {args.drafter} takes no --heads (only {', '.join(HEADS_DRAFTERS)} do): drop --heads")
+
+
+def cmd_generate(args) -> int:
+    args.drafter = default_drafter(args.model) if args.drafter == "auto" else args.drafter
+    check_generate_args(args)
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":
         draft_model = shipped_draft(args.model)
         if draft_model is None:
             raise ValueError("--drafter draft-model needs --draft-model PATH (a model directory, .gguf or hub id)")
+
+    import torch
+    from transformers import TextStreamer
+
+    from .model import SelfSpeculativeModel
+
+    heads = args.heads
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
                                               tree=args.tree, dtype=args.dtype, device=args.device,
                                               threshold=args.threshold, gate=args.gate, lookup=args.lookup)
-    ids = encode_prompt(sm.tokenizer, args.prompt, chat=args.chat)
+    ids = torch.tensor([prompt_ids(sm.tokenizer, args.prompt, chat=args.chat)])
     sampling = args.temperature > 0
     gen = torch.Generator(device=sm.backbone.device).manual_seed(args.seed)
     streamer = None if args.json else TextStreamer(sm.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -88,10 +86,9 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with self-speculative decoding, then print the stats")
+def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, model directory, .gguf file or hub id")
-    p.add_argument("--drafter", default="auto", choices=["auto", *DRAFTERS],
+    p.add_argument("--drafter", default="auto", choices=["auto", *DRAFTER_NAMES],
                    help="auto: the shipped drafter measured fastest for the demo model (else the context lookup)")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped checkpoint for the demo model)")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft-model")
@@ -119,12 +116,17 @@ def add_generate(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from .drafters.draft_model import truncated_copy
-    from .loading import load_model
-
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise ValueError(f"{out} exists and is not empty: pass --force to overwrite")
+    check_output_dir(out, force=args.force)
+    at_least(args.layers, 1, "layers")
+
+    from .drafters.draft_model import truncated_copy
+    from .loading import check_model_name, load_model, model_config
+
+    check_model_name(args.model)
+    n = model_config(args.model).num_hidden_layers
+    if args.layers >= n:
+        raise ValueError(f"--layers {args.layers}: {args.model} has {n} layers, so a draft takes 1 to {n - 1}")
     loaded = load_model(args.model, device="cpu")
     draft = truncated_copy(loaded.model, args.layers)
     draft.save_pretrained(out)
@@ -134,8 +136,7 @@ def cmd_export(args) -> int:
     return 0
 
 
-def add_export(sub) -> None:
-    p = sub.add_parser("export", help="write the target's first L layers + norm + LM head as a standalone draft model")
+def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", required=True)
@@ -143,52 +144,112 @@ def add_export(sub) -> None:
     p.set_defaults(func=cmd_export)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="selfspec", description="Exact self-speculative decoding for HF causal LMs.")
-    parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_generate(sub)
-    add_export(sub)
-    from .bench import add_bench_args, run_bench_cli
-    from .training.train import add_train_heads_args, run_train_heads
+def setup_train_heads(p: argparse.ArgumentParser) -> None:
+    from .training.train import add_train_heads_args
 
-    p = sub.add_parser("train-heads", help="fit Medusa heads or the early-exit head by self-distillation")
     add_train_heads_args(p)
-    p.set_defaults(func=lambda a: 130 if run_train_heads(a).interrupted else 0)
+    p.set_defaults(func=cmd_train_heads)
+
+
+def cmd_train_heads(args) -> int:
+    """``selfspec train-heads``, its flags checked first (training/train.py checks them only after loading)."""
+    from .loading import check_model_name
+    from .training.data import check_training_sources
+    from .training.train import config_from_args, run_train_heads
+
+    config, extra = config_from_args(args)
+    check_training_config(config, resume=args.resume)
+    if extra["model"]:
+        check_model_name(extra["model"])
+    check_training_sources(data=extra["data"], prompts=extra["prompts"])
+    if config.kind == "early-exit" and config.exit_layer is not None and extra["model"]:
+        from .loading import model_config
+
+        n = model_config(extra["model"]).num_hidden_layers
+        if not config.exit_layer < n:
+            raise ValueError(f"--exit-layer {config.exit_layer}: {extra['model']} has {n} layers, so it takes 1 to {n - 1}")
+    return 130 if run_train_heads(args).interrupted else 0
+
+
+def setup_train_draft(p: argparse.ArgumentParser) -> None:
     from .training.draft import add_train_draft_args, run_train_draft
 
-    p = sub.add_parser("train-draft", help="distil the target's first L layers into a standalone draft model")
     add_train_draft_args(p)
     p.set_defaults(func=lambda a: 130 if run_train_draft(a).interrupted else 0)
+
+
+def setup_tune(p: argparse.ArgumentParser) -> None:
     from .training.tune import add_tune_args, run_tune
 
-    p = sub.add_parser("tune-tree", help="time candidate trees for trained heads on held-out prompts; keep the fastest")
     add_tune_args(p)
     p.set_defaults(func=run_tune)
 
+
+def setup_eval(p: argparse.ArgumentParser) -> None:
     from .training.evaluate import add_eval_args, run_eval_heads
 
-    p = sub.add_parser("eval-heads", help="per-head top-1/top-5 accuracy of trained heads on prompts they never saw")
     add_eval_args(p)
     p.set_defaults(func=run_eval_heads)
 
-    p = sub.add_parser("bench", help="compare decoding methods side by side against transformers' greedy generate")
+
+def setup_bench(p: argparse.ArgumentParser) -> None:
+    from .bench import add_bench_args, run_bench_cli
+
     add_bench_args(p)
     p.set_defaults(func=run_bench_cli)
-    try:
-        from .training import data as training_data
-    except ImportError:  # the training extras are part of the package; this only guards partial installs
-        training_data = None
-    if training_data is not None and hasattr(training_data, "add_data_args"):
-        p = sub.add_parser("gen-data", help="self-distillation data: the target answers prompts (resumable)")
-        training_data.add_data_args(p)
-        p.set_defaults(func=lambda a: training_data.run_from_args(a) or 0)
-        from .training.synth import add_synth_args, run_synth
 
-        p = sub.add_parser("synth-prompts", help="self-instruct: the target writes new prompts in the style of seed prompts")
-        add_synth_args(p)
-        p.set_defaults(func=run_synth)
+
+def setup_gen_data(p: argparse.ArgumentParser) -> None:
+    from .training import data
+
+    data.add_data_args(p)
+    p.set_defaults(func=lambda a: data.run_from_args(a) and 0)
+
+
+def setup_synth(p: argparse.ArgumentParser) -> None:
+    from .training.synth import add_synth_args, run_synth
+
+    add_synth_args(p)
+    p.set_defaults(func=run_synth)
+
+
+# name -> (help, setup). setup adds the flags and the function to run; it is called only for the
+# command being run, since most of them import torch: `selfspec --help` and a mistyped flag answer at once.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "generate": ("generate text with self-speculative decoding, then print the stats", add_generate),
+    "export": ("write the target's first L layers + norm + LM head as a standalone draft model", add_export),
+    "train-heads": ("fit Medusa heads, the early-exit head or an EAGLE head by self-distillation", setup_train_heads),
+    "train-draft": ("distil the target's first L layers into a standalone draft model", setup_train_draft),
+    "tune-tree": ("time candidate trees for trained heads on held-out prompts; keep the fastest", setup_tune),
+    "eval-heads": ("per-head top-1/top-5 accuracy of trained heads on prompts they never saw", setup_eval),
+    "bench": ("compare decoding methods side by side against transformers' generate", setup_bench),
+    "gen-data": ("self-distillation data: the target answers prompts (resumable)", setup_gen_data),
+    "synth-prompts": ("self-instruct: the target writes new prompts in the style of seed prompts", setup_synth),
+}
+
+
+def command_in(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level takes no values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with every subcommand listed; given ``argv``, only the command it names gets its flags."""
+    parser = argparse.ArgumentParser(prog="selfspec", description="Exact self-speculative decoding for HF causal LMs.")
+    parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chosen = None if argv is None else command_in(argv)
+    for name, (help_, setup) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        if argv is None or name == chosen:
+            setup(p)
     return parser
+
+
+def one_line(e: BaseException) -> str:
+    """The first non-empty line of an error: a message from a library can run to many."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def main(argv=None) -> int:
@@ -196,11 +257,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="selfspec: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.formatwarning = lambda message, *_, **__: f"selfspec: warning: {message}\n"
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"selfspec: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        print(f"selfspec: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("selfspec: interrupted", file=sys.stderr)

@@ -75,12 +75,17 @@ def _sync(device: torch.device) -> None:
 def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, capture: tuple[int, ...]):
     """layers[start:N], split at the ``capture`` points a drafter wants hidden states after (same cost).
 
-    Returns (last hidden, captured states in ``capture`` order, each (1, n, H))."""
+    Capture c is the hidden state after layer c, as transformers' ``output_hidden_states[c]``
+    reports it: so c = N is the final state *after* the final norm. Returns (last hidden, pre-norm;
+    captured states in ``capture`` order, each (1, n, H))."""
+    N = backbone.num_layers
     got: dict[int, torch.Tensor] = {start: h}   # capturing ``start`` itself: the input
     at = start
-    for stop in sorted({c for c in capture if c > start}) + [backbone.num_layers]:
+    for stop in sorted({c for c in capture if start < c < N}) + [N]:
         h = backbone.run_layers(h, start=at, end=stop, position_ids=position_ids, attention_mask=mask, cache=cache)
         got[stop], at = h, stop
+    if N in capture:
+        got[N] = backbone.final_norm(h)
     return h, tuple(got[c] for c in capture)
 
 

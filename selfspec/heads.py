@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import __version__
+from .io import atomic_path, atomic_write_text
 
 KINDS = ("medusa", "early-exit", "eagle")
 
@@ -189,41 +190,77 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
                for k, v in heads.module.state_dict().items() if k not in shared_tensors(heads.config)}
     if heads.draft_vocab is not None:
         tensors["draft_vocab"] = heads.draft_vocab.detach().cpu().to(torch.int64)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".safetensors.tmp")
-    os.close(fd)
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, directory / "model.safetensors")
-    os.chmod(directory / "model.safetensors", 0o644)  # mkstemp makes 0600 files; heads are meant to be shared
+    with atomic_path(directory / "model.safetensors", suffix=".safetensors.tmp") as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
     write_heads_config(directory, asdict(heads.config))
 
 
 def write_heads_config(directory: str | os.PathLike, config: dict) -> None:
     """Replace ``directory/config.json`` atomically (also how tune-tree re-records a choice)."""
+    atomic_write_text(Path(directory) / "config.json", json.dumps(config, indent=2))
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a safetensors file whose header is unreadable or whose tensors run past its end (a
+    truncated copy), reading only the header: the loader's own error on such a file is a Rust panic text."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt): copy it again or "
+                         "retrain the heads") from None
+    if 8 + n + end > size:
+        raise ValueError(f"{path} is truncated ({size} bytes, its header describes {8 + n + end}): copy it again or "
+                         "retrain the heads")
+
+
+def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None = None) -> HeadsConfig:
+    """A heads directory's config, checked without loading any tensor: the files are there and whole,
+    config.json is valid, and (given ``expect_kind``) the heads are of the kind the drafter needs."""
     directory = Path(directory)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, directory / "config.json")
+    cfg_path, weights = directory / "config.json", directory / "model.safetensors"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"heads directory {directory} does not exist: pass a directory from `selfspec train-heads`")
+    if not cfg_path.is_file() or not weights.is_file():
+        raise ValueError(f"{directory} is not a heads directory (needs config.json and model.safetensors): "
+                         "pass a directory from `selfspec train-heads`")
+    try:
+        raw = json.loads(cfg_path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        known = set(HeadsConfig.__dataclass_fields__)
+        config = HeadsConfig(**{k: v for k, v in raw.items() if k in known})
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{cfg_path} is not a valid heads config ({reason}): copy the heads again or retrain them") from None
+    if config.kind not in KINDS:
+        raise ValueError(f"{cfg_path} names an unknown heads kind {config.kind!r} (expected one of {', '.join(KINDS)})")
+    if expect_kind is not None and config.kind != expect_kind:
+        raise ValueError(f"{directory} holds {config.kind!r} heads, but the drafter is {expect_kind!r}: pass "
+                         f"--drafter {config.kind}, or heads trained with --kind {expect_kind}")
+    check_safetensors(weights)
+    return config
 
 
 def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None,
                model=None) -> Heads:
     directory = Path(directory)
-    cfg_path = directory / "config.json"
-    if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
-        raise ValueError(f"{directory} is not a heads directory (needs config.json and model.safetensors)")
-    raw = json.loads(cfg_path.read_text())
-    known = set(HeadsConfig.__dataclass_fields__)
-    config = HeadsConfig(**{k: v for k, v in raw.items() if k in known})
-    if config.kind != expect_kind:
-        raise ValueError(f"{directory} holds {config.kind!r} heads, but the drafter is {expect_kind!r}")
+    config = read_heads_config(directory, expect_kind=expect_kind)
     if config.base_fingerprint != fingerprint:
         raise ValueError(
             f"{directory} was trained for {config.base_model!r} (config fingerprint {config.base_fingerprint}), "
             f"which does not match this model (fingerprint {fingerprint}): train heads for this model with `selfspec train-heads`"
         )
-    tensors = load_file(directory / "model.safetensors")
+    try:
+        tensors = load_file(directory / "model.safetensors")
+    except Exception as e:  # safetensors raises its own SafetensorError (no ValueError) on a corrupt file
+        raise ValueError(f"{directory}/model.safetensors could not be read ({type(e).__name__}): copy the heads "
+                         "again or retrain them") from None
     draft_vocab = tensors.pop("draft_vocab", None)
     module = build_heads(config, model=model)
     shared = shared_tensors(config)

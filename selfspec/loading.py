@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
-import shutil
-import tempfile
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .io import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,15 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+
+# A distilled draft (``selfspec train-draft``) stores only its trained tensors plus this file naming its
+# base model; ``materialize_draft`` rebuilds the full model. (training/tasks/draft.py writes them.)
+DRAFT_META_FILE = "selfspec_draft.json"
+DRAFT_WEIGHTS_FILE = "model.safetensors"
+GGUF_MAGIC = b"GGUF"
+# owner/name on the hub (or a bare legacy name such as gpt2): letters, digits, '-', '_', '.'.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 class ModelNotFoundError(ValueError):
@@ -95,49 +106,160 @@ def gguf_to_cached_dir(gguf: Path, cache_name: str) -> Path:
 
     log.warning("converting %s to safetensors (one time, ~20 s) -> %s", gguf.name, out)
     kw = dict(gguf_file=gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-    # A GGUF-loaded model cannot be save_pretrained directly; copy its weights into one built from its config.
-    config = AutoConfig.from_pretrained(gguf.parent, **kw)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+        # A GGUF-loaded model cannot be save_pretrained directly; copy its weights into one built from its config.
+        config = AutoConfig.from_pretrained(gguf.parent, **kw)
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError) as e:
+        raise ModelNotFoundError(f"could not read {gguf}: {_first_line(e)} (is the file complete? re-download it, or "
+                                 "use a model directory)") from None
     dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     dst.load_state_dict(src.state_dict())
     dst.generation_config = src.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with atomic_dir(out) as tmp:  # a killed conversion never leaves a half-written cache
         dst.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # atomic: a killed conversion never leaves a half-written cache
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse, in one line, a .gguf path that is missing, empty or not GGUF (a text file, an HTML error page)."""
+    if not path.is_file():
+        raise ModelNotFoundError(f"no such GGUF file: {path}: check the path")
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if not magic:
+        raise ModelNotFoundError(f"{path} is empty: re-download or re-export the model")
+    if magic != GGUF_MAGIC:
+        raise ModelNotFoundError(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC!r}): "
+                                 "point at a real .gguf file or a model directory")
+
+
+def check_model_dir(path: Path, name: str) -> None:
+    """Refuse a model directory whose config.json is missing or unreadable, before transformers reads it."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelNotFoundError(f"{name} is a directory but has no config.json: point at a Hugging Face model directory")
+    try:
+        json.loads(config.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelNotFoundError(f"{config} is not valid JSON ({_first_line(e)}): re-export or re-download the model") from None
+
+
+def check_model_name(name_or_path) -> str:
+    """Fail fast, without loading anything, on a name that cannot be a model: a missing or malformed
+    path or file, or text that is no alias and no well-formed hub id. Returns the name as a string."""
+    name = str(name_or_path).strip()
+    if not name:
+        raise ModelNotFoundError(f"no model given: pass an alias ({', '.join(DEMO_ALIASES)}), a directory, a .gguf file or a hub id")
+    if name in DEMO_ALIASES:
+        return name
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        check_gguf_file(path)
+    elif path.is_dir():
+        if not (path / DRAFT_META_FILE).is_file():
+            check_model_dir(path, name)
+    elif path.exists() or name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"{name} is not a model directory, a .gguf file, or a known alias ({', '.join(DEMO_ALIASES)})")
+    elif not _HUB_ID.match(name):
+        raise ModelNotFoundError(f"{name!r} is not a model: use an alias ({', '.join(DEMO_ALIASES)}), a model directory, "
+                                 "a .gguf file, or a hub id such as owner/name")
+    return name
 
 
 def resolve_source(name_or_path: str) -> tuple[str, str]:
     """Return (directory or hub id to hand to transformers, canonical name)."""
-    name = str(name_or_path)
+    name = check_model_name(name_or_path)
     if name in DEMO_ALIASES:
         return str(gguf_to_cached_dir(demo_gguf_path(name), name)), name
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelNotFoundError(f"no such GGUF file: {name}")
         return str(gguf_to_cached_dir(path, path.stem)), path.stem
-    if path.is_dir() and (path / "selfspec_draft.json").is_file():
+    if path.is_dir() and (path / DRAFT_META_FILE).is_file():
         # A distilled draft stores only its trained tensors; rebuild the full model once (cached).
-        from .training.draft import materialize_draft
-
         return str(materialize_draft(path)), name
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{name} is a directory but has no config.json: point at a Hugging Face model directory")
         return str(path), name
-    if path.exists() or name.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"{name} is not a model directory, a .gguf file, or a known alias ({', '.join(DEMO_ALIASES)})")
     return name, name  # a hub id
+
+
+def model_config(name_or_path: str):
+    """The model's transformers config, without its weights: lets commands check layer numbers
+    and the like before spending the time to load the model."""
+    from transformers import AutoConfig
+
+    source, _ = resolve_source(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"could not read the config of {name_or_path!r}: {_first_line(e)} (offline? use a local "
+                                 f"directory, a .gguf file, or the alias {next(iter(DEMO_ALIASES))})") from None
+
+
+def _content_key(path: Path, *salt: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    for s in salt:
+        h.update(b"\0" + s.encode())
+    return h.hexdigest()[:12]
+
+
+def materialize_draft(path, *, base_model: str | None = None) -> Path:
+    """A complete transformers model directory for the draft in ``path``; ``path`` itself if it is one already.
+
+    When ``path/selfspec_draft.json`` exists: load the base model, refuse a config-fingerprint
+    mismatch, fill the shared tensors from it and the trained ones from ``model.safetensors``
+    (upcast to the base model's dtype), and save the result under
+    ``selfspec_home()/drafts/<dirname>-<hash of model.safetensors + base name>``. Cached: a
+    second call only hashes the file. Written to a temporary directory and renamed, so an
+    interrupted call never leaves a half-written draft.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from .backbone import config_fingerprint  # transformers at import: deferred like the imports above
+
+    path = Path(path)
+    if not (path / DRAFT_META_FILE).is_file():
+        return path
+    meta = json.loads((path / DRAFT_META_FILE).read_text())
+    base = base_model or meta["base_model"]
+    out = selfspec_home() / "drafts" / f"{path.resolve().name}-{_content_key(path / DRAFT_WEIGHTS_FILE, base)}"
+    if (out / "config.json").is_file() and (out / DRAFT_WEIGHTS_FILE).is_file():
+        return out
+
+    loaded = load_model(base, dtype=torch.float32, device="cpu")
+    fp = config_fingerprint(loaded.model.config)
+    if fp != meta["base_fingerprint"]:
+        raise ValueError(f"{path} was distilled from a model with config fingerprint {meta['base_fingerprint']}, "
+                         f"but {base} has {fp}: pass the base model it was trained from")
+    config = AutoConfig.from_pretrained(path)
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    base_sd = loaded.model.state_dict()
+    stored = load_file(path / DRAFT_WEIGHTS_FILE)
+    missing_base = [n for n in meta["shared"] if n not in base_sd]
+    if missing_base:
+        raise ValueError(f"{path}: the base model {base} has no tensor {missing_base[0]}")
+    full = {n: base_sd[n] for n in meta["shared"]} | {n: t.float() for n, t in stored.items()}
+    missing, unexpected = draft.load_state_dict(full, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit its config: missing {missing[:1]}, unexpected {unexpected[:1]}")
+    if (path / "generation_config.json").is_file():
+        draft.generation_config = GenerationConfig.from_pretrained(path)
+
+    with atomic_dir(out, keep_existing=True) as tmp:  # kept: a concurrent materialisation of the same draft
+        draft.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+    return out
 
 
 def load_model(name_or_path: str, *, dtype=None, device=None) -> Loaded:
@@ -153,9 +275,9 @@ def load_model(name_or_path: str, *, dtype=None, device=None) -> Loaded:
         # sdpa accepts the arbitrary 4-D float masks tree attention needs (flash-attention does not).
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(source)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ModelNotFoundError(
-            f"could not load {name_or_path!r}: {str(e).splitlines()[0]} (offline? use a local directory, a .gguf file, "
+            f"could not load {name_or_path!r}: {_first_line(e)} (offline? use a local directory, a .gguf file, "
             f"or the alias smollm2-135m)"
         ) from None
     model.to(device).eval()

@@ -23,11 +23,11 @@ from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, Lookup
                        check_drafter_name)
 from .drafters.eagle import DEFAULT_EAGLE_TREE, parse_dynamic_tree
 from .drafters.lookup import DEFAULT_LOOKUP
-from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, save_heads
+from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
-from .loading import load_model, resolve_device, resolve_dtype
+from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
-from .shipped import default_drafter, shipped_draft, shipped_heads
+from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
 from .tree import MEDUSA_DEFAULT, build_tree, chain, parse_tree
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
     cfg = model.config
     n_layers = cfg.num_hidden_layers
     exit_layer = (exit_layer if exit_layer is not None else n_layers // 2) if kind == "early-exit" else None
+    if exit_layer is not None and not 0 < exit_layer < n_layers:
+        raise ValueError(f"exit layer {exit_layer} is out of range: this model has {n_layers} layers, so it takes 1 to {n_layers - 1}")
     config = HeadsConfig(
         kind=kind, base_model=name, base_fingerprint=config_fingerprint(cfg), hidden_size=cfg.hidden_size,
         vocab_size=model.get_output_embeddings().weight.shape[0],
@@ -99,20 +101,55 @@ def _tuned(heads: Heads, value, key: str, kind: type = float):
     return _whole(value, key) if kind is int else _number(value, key)
 
 
+# Range of each per-step setting a user may give (threshold is a probability; gate a token count).
+_LIMITS = {"threshold": (0.0, 1.0), "gate": (0.0, float("inf")), "lookup": (0, float("inf"))}
+
+
+def _in_range(number, key: str):
+    low, high = _LIMITS.get(key, (float("-inf"), float("inf")))
+    if not low <= number <= high:
+        span = f"between {low:g} and {high:g}" if high != float("inf") else f">= {low:g}"
+        raise ValueError(f"{key} must be 'auto' or {span} (got {number:g})")
+    return number
+
+
 def _number(value, key: str) -> float:
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{key} must be 'auto' or a number (got {value!r})") from None
+    return _in_range(number, key)
 
 
 def _whole(value, key: str) -> int:
     try:
         if float(value) != int(float(value)):
             raise ValueError
-        return int(float(value))
-    except (TypeError, ValueError):
+        number = int(float(value))
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{key} must be 'auto' or a whole number (got {value!r})") from None
+    return _in_range(number, key)
+
+
+def check_decoding_options(drafter: str, *, tree="auto", threshold="auto", gate="auto", lookup="auto") -> None:
+    """Refuse, before any model loads, settings that do not apply to ``drafter`` or cannot be parsed:
+    a malformed tree, a threshold outside [0, 1], a negative gate or lookup."""
+    check_drafter_name(drafter)
+    if drafter not in HEADS_DRAFTERS and threshold not in ("auto", None, 0, 0.0):
+        raise ValueError(f"threshold applies to the medusa, early-exit and eagle drafters, not {drafter!r}")
+    if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
+        raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
+    if drafter not in ("medusa", "lookup", "eagle") and lookup not in ("auto", None, 0):
+        raise ValueError(f"lookup applies to the medusa, eagle and lookup drafters only, not {drafter!r}")
+    for value, key, kind in ((threshold, "threshold", float), (gate, "gate", float), (lookup, "lookup", int)):
+        if value not in ("auto", None):
+            _whole(value, key) if kind is int else _number(value, key)
+    if tree in ("auto", None):
+        return
+    if drafter == "eagle":
+        parse_dynamic_tree(tree)
+    elif drafter in ("medusa", "early-exit", "draft-model") and not parse_tree(tree, default=()):
+        raise ValueError(f"tree {tree!r} has no nodes: use 'auto', chain-K with K >= 1, or a non-empty list of paths")
 
 
 class SelfSpeculativeModel:
@@ -174,19 +211,23 @@ class SelfSpeculativeModel:
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
         drafter="lookup" drafts only such copies (no heads; "auto" = 8). Output is unchanged either way.
         """
+        # Everything that can be checked without the model is checked first: a mistake costs no load.
+        check_model_name(name_or_path)
         if drafter == "auto":
             drafter = default_drafter(name_or_path)
-        check_drafter_name(drafter)
-        if heads is None and drafter in ("medusa", "early-exit", "eagle"):
+        check_decoding_options(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
+        if drafter not in HEADS_DRAFTERS + ("draft-model",) and (heads is not None or draft_model is not None):
+            raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
+        if heads is None and drafter in HEADS_DRAFTERS:
             heads = shipped_heads(name_or_path, drafter)
+        elif heads is not None:
+            read_heads_config(heads, expect_kind=drafter)
         if draft_model is None and drafter == "draft-model":
             draft_model = shipped_draft(name_or_path)
-        if drafter not in ("medusa", "early-exit", "eagle") and threshold not in ("auto", None, 0, 0.0):
-            raise ValueError(f"threshold applies to the medusa, early-exit and eagle drafters, not {drafter!r}")
-        if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
-            raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
-        if drafter not in ("medusa", "lookup", "eagle") and lookup not in ("auto", None, 0):
-            raise ValueError(f"lookup applies to the medusa, eagle and lookup drafters only, not {drafter!r}")
+            if draft_model is None:
+                raise ValueError("drafter='draft-model' needs draft_model= (a model directory, .gguf, or hub id)")
+        if isinstance(draft_model, (str, os.PathLike)):
+            check_model_name(draft_model)
         dtype, device = resolve_dtype(dtype), resolve_device(device)
         loaded = load_model(name_or_path, dtype=dtype, device=device)
         model = loaded.model

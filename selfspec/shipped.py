@@ -3,7 +3,8 @@
 One resolver for the Python API, the CLI and the bench: ``checkpoints/<model>/<drafter>/`` holds a
 heads directory per drafter, ``checkpoints/<model>/draft-<L>l/`` a distilled draft model, and
 ``checkpoints/<model>/default.json`` names the drafter that measured fastest (with the bench run
-that measured it).
+that measured it). In a source checkout that is the repository's own ``checkpoints/``; an installed
+package carries the same files as ``selfspec/checkpoints`` (package data, see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def _checkpoints_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "checkpoints"
+    return checkout if checkout.is_dir() else here / "checkpoints"
+
+
+CHECKPOINTS = _checkpoints_dir()
+# Every drafter name (the registry in drafters/ holds their classes, but importing it loads torch:
+# the CLI lists and checks names before that), and those that take a heads directory.
+DRAFTER_NAMES = ("none", "early-exit", "medusa", "draft-model", "lookup", "eagle")
+HEADS_DRAFTERS = ("medusa", "early-exit", "eagle")
 
 
 def shipped_heads(model: str, drafter: str) -> Path | None:

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from selfspec.bench.harness import (BASELINE, Method, Prompt, Run, compare_to_baseline, interleaved_order,
                                     load_prompts, run_bench)
 from selfspec.bench.methods import build_methods, parse_methods
-from selfspec.bench.report import markdown, write_report
+from selfspec.bench.report import decoding_mode, markdown, write_report
 
 
 def test_interleaving_rotates_every_method_through_every_slot():
@@ -32,7 +32,7 @@ def test_identical_check_catches_a_planted_divergence():
     assert compare_to_baseline(base, same, big_margin).identical
     c = compare_to_baseline(base, planted, big_margin)
     assert not c.identical and c.diverged == ["p1"]
-    c = compare_to_baseline(base, planted, tie_margin)   # hf-greedy itself was on a knife edge there
+    c = compare_to_baseline(base, planted, tie_margin)   # hf-generate itself was on a knife edge there
     assert c.identical and c.ties == ["p1"]
     assert not compare_to_baseline(base, shorter, tie_margin).identical  # a length change is never a tie
 
@@ -53,8 +53,15 @@ def test_prompt_loading_errors(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_prompts(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unknown method"):
-        parse_methods("hf-greedy,warp-speed")
-    assert parse_methods("selfspec-medusa")[0] == BASELINE
+        parse_methods("hf-generate,warp-speed")
+    assert parse_methods("selfspec-medusa")[0] == BASELINE == "hf-generate"
+
+
+def test_old_baseline_name_still_selects_hf_generate():
+    """hf-greedy was the baseline's name even when it sampled; old commands keep working."""
+    assert parse_methods("hf-greedy,selfspec-ar") == ["hf-generate", "selfspec-ar"]
+    assert parse_methods("hf-greedy,hf-generate") == ["hf-generate"]
+    assert "hf-greedy" not in parse_methods("all")
 
 
 def test_tiny_end_to_end_bench_schema(tmp_path):
@@ -76,7 +83,7 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
         for key in ("tokens_per_s", "speedup", "tau", "identical", "n_tokens", "per_category"):
             assert key in m, (name, key)
         assert isinstance(m["tokens_per_s"], float) and m["n_tokens"] == 48
-        assert m["identical"] is True, name          # every greedy method reproduces hf-greedy
+        assert m["identical"] is True, name          # every greedy method reproduces hf-generate
         assert set(m["per_category"]) == {"code", "chat"}
         for cat in m["per_category"].values():
             assert set(cat) == {"tokens_per_s", "speedup", "tau"}
@@ -88,13 +95,16 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
     write_report(result, tmp_path / "out")
     back = json.loads((tmp_path / "out" / "results.json").read_text())
     assert back["methods"]["selfspec-ar"]["identical"] is True
-    assert (tmp_path / "out" / "speedup.png").stat().st_size > 1000
+    for chart in ("speedup.png", "acceptance.png", "speed_tau.png"):
+        assert (tmp_path / "out" / chart).stat().st_size > 1000, chart
     assert "| selfspec-medusa |" in (tmp_path / "out" / "results.md").read_text()
-    assert "chat" in markdown(result)
+    assert "chat" in markdown(result) and ", greedy" in markdown(result).splitlines()[0]
+    sampled = {**result, "config": {**result["config"], "temperature": 0.7, "decoding": decoding_mode(0.7)}}
+    assert "sampling (T=0.7, top-p 1, top-k off)" in markdown(sampled).splitlines()[0]
 
 
 def test_bench_requires_the_baseline():
     m = Method(name="selfspec-ar", fn=lambda ids, n, g: ([1], None))
-    with pytest.raises(ValueError, match="hf-greedy"):
+    with pytest.raises(ValueError, match="hf-generate"):
         run_bench([m], [Prompt("0", "all", "x")], lambda t: torch.ones(1, 2, dtype=torch.long),
                   model=tiny_model(), max_new_tokens=2, temperature=0.0, progress=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from selfspec.backbone import config_fingerprint
-from selfspec.cli import encode_prompt
+from selfspec.io import prompt_ids
 from selfspec.shipped import shipped_heads
 from selfspec.heads import load_heads
 from selfspec.drafters.draft_model import truncated_copy
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.demo
 def references(demo):
     out = []
     for prompt in PROMPTS:
-        ids = encode_prompt(demo.tokenizer, prompt, chat=True)
+        ids = torch.tensor([prompt_ids(demo.tokenizer, prompt, chat=True)])
         ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
                                   pad_token_id=demo.tokenizer.eos_token_id)
         out.append((ids, ref))

@@ -79,10 +79,13 @@ def _fresh_head_cache(bb, heads, ids: list[int]):
     return cache, states[:, -1:]
 
 
-def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(one_thread):
+@pytest.mark.parametrize("final_layer", [False, True], ids=["default-aux", "aux-with-final-state"])
+def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(final_layer, one_thread):
     model = tiny_model("llama")
     bb = Backbone(model)
-    heads = untrained_heads("eagle", model, "tiny")
+    N = model.config.num_hidden_layers
+    # Aux layer N is the final state after the final norm, as transformers' hidden_states[N] reports it.
+    heads = untrained_heads("eagle", model, "tiny", aux_layers=[1, N] if final_layer else None)
     ids = _prompt(model.config.vocab_size, 3)
     reference = hf_greedy(model, ids, 60)[0].tolist()
     drafter = GraftingEagle(bb, heads, depth=3, expand=2, nodes=4, reference=reference)
@@ -338,3 +341,22 @@ def test_eval_heads_scores_an_eagle_head_per_draft_step(one_thread):
     with torch.no_grad():
         r = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
     assert [round(a[0], 5) for a in acc] == [round(float(t), 5) for t in r.top1]
+
+
+def test_warm_start_may_add_aux_layers_without_changing_predictions(one_thread):
+    from selfspec.training.warm_start import check_init_shape, load_grown
+
+    model = tiny_model("llama")
+    N, H = model.config.num_hidden_layers, model.config.hidden_size
+    init = untrained_heads("eagle", model, "tiny", aux_layers=[1, N - 1])
+    torch.nn.init.normal_(init.module.fc.weight, std=0.1)
+    grown = untrained_heads("eagle", model, "tiny", aux_layers=[1, N - 1, N])
+    check_init_shape(init, grown, "init")
+    load_grown(grown.module, init, grown.config.aux_layers)
+    feats = {a: torch.randn(2, 5, H) for a in (1, N - 1, N)}
+    old = init.module.fuse(torch.cat([feats[1], feats[N - 1]], dim=-1))
+    new = grown.module.fuse(torch.cat([feats[1], feats[N - 1], feats[N]], dim=-1))
+    torch.testing.assert_close(new, old)
+    fewer = untrained_heads("eagle", model, "tiny", aux_layers=[1, N])
+    with pytest.raises(ValueError, match="aux_layers"):
+        check_init_shape(init, fewer, "init")

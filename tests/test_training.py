@@ -487,6 +487,10 @@ def test_eval_heads_scores_unseen_prompts_where_decoding_uses_the_heads(tmp_path
     # The answers are cached: a second evaluation does not generate again.
     monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("answers were generated twice"))
     assert eval_heads(model, tokenizer, heads, dev_rows, max_new_tokens=10, batch_size=1, progress=False)["top1"] == r["top1"]
+    from selfspec.training.evaluate import plot_accuracy
+
+    plot_accuracy({**r, "heads": str(cfg.out), "prompts_file": "dev.jsonl"}, tmp_path / "acc.png", name=str)
+    assert (tmp_path / "acc.png").stat().st_size > 1000
 
 
 def test_eval_heads_cli_rejects_a_directory_without_heads(tmp_path, capsys):

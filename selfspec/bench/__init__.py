@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
-from .harness import ALL_METHODS, load_prompts, run_bench
+import torch
+
+from ..heads import read_heads_config
+from ..io import prompt_ids
+from ..loading import check_model_name, load_model
+from ..model import check_decoding_options
+from ..shipped import shipped_draft, shipped_heads
+from ..training.cli_args import at_least, check_output_dir, check_sampling
+from .harness import ALIASES, ALL_METHODS, load_prompts, run_bench
 from .methods import build_methods, parse_methods
-from .report import markdown, write_report
+from .report import decoding_mode, markdown, write_report
+
+# selfspec methods -> (drafter, the flags that set its heads / tree / threshold / gate / lookup)
+_SELFSPEC_FLAGS = {
+    "selfspec-medusa": ("medusa", "medusa_heads", "medusa_tree", "medusa_threshold", "medusa_gate", "medusa_lookup"),
+    "selfspec-early-exit": ("early-exit", "exit_heads", "exit_tree", "exit_threshold", None, None),
+    "selfspec-eagle": ("eagle", "eagle_heads", "eagle_tree", "eagle_threshold", None, "eagle_lookup"),
+    "selfspec-draft-model": ("draft-model", None, "draft_tree", None, None, None),
+}
 
 
 def add_bench_args(p) -> None:
@@ -17,8 +34,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N prompts")
     p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts (with --seed), in file order")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default="all", help=f"comma list from: {', '.join(ALL_METHODS)}")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical-output check on)")
+    p.add_argument("--methods", default="all",
+                   help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())})")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
     p.add_argument("--medusa-heads", default=None, help="default: the shipped checkpoint for the demo model")
     p.add_argument("--exit-heads", default=None, help="default: the shipped checkpoint for the demo model")
     p.add_argument("--draft-model", default=None, help="draft for hf-assisted / selfspec-draft-model")
@@ -38,26 +57,45 @@ def add_bench_args(p) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write results.json, results.md, speedup.png here")
+    p.add_argument("--out", default=None, help="write results.json, results.md and the charts speedup.png, acceptance.png, speed_tau.png here (a new or empty directory)")
+    p.add_argument("--force", action="store_true", help="overwrite the results already in --out")
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout")
 
 
-def run_bench_cli(args) -> int:
-    import os
-
-    import torch
-
-    from ..cli import encode_prompt
-    from ..shipped import shipped_draft, shipped_heads
-    from ..loading import load_model
-
-    if args.limit is not None and args.limit < 1:
-        raise ValueError("--limit must be >= 1")
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be >= 1")
+def check_bench_args(args) -> list[str]:
+    """Every flag checked before any model loads; returns the methods to run."""
+    at_least(args.limit, 1, "limit")
+    at_least(args.sample, 1, "sample")
+    at_least(args.max_new_tokens, 1, "max_new_tokens")
+    at_least(args.threads, 1, "threads")
+    check_sampling(temperature=args.temperature)
+    if args.out:
+        check_output_dir(args.out, force=args.force)
     names = parse_methods(args.methods)
-    if args.sample is not None and args.sample < 1:
-        raise ValueError("--sample must be >= 1")
+    _check_selfspec_flags(args, names)
+    return names
+
+
+def _check_selfspec_flags(args, names: list[str]) -> None:
+    """Trees, thresholds and heads directories of the selfspec methods being run, before anything loads."""
+    check_model_name(args.model)
+    for name in names:
+        if name not in _SELFSPEC_FLAGS:
+            continue
+        drafter, heads, tree, threshold, gate, lookup = _SELFSPEC_FLAGS[name]
+        value = lambda flag: "auto" if flag is None else getattr(args, flag)  # noqa: E731
+        check_decoding_options(drafter, tree=value(tree), threshold=value(threshold), gate=value(gate), lookup=value(lookup))
+        if heads is not None and getattr(args, heads) is not None:
+            read_heads_config(getattr(args, heads), expect_kind=drafter)
+    if {"hf-assisted", "selfspec-draft-model"} & set(names):
+        path = args.draft_model or shipped_draft(args.model)
+        if path is None:
+            raise ValueError("hf-assisted / selfspec-draft-model need --draft-model PATH (e.g. from `selfspec export`)")
+        check_model_name(str(path))
+
+
+def run_bench_cli(args) -> int:
+    names = check_bench_args(args)
     prompts = load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -65,8 +103,6 @@ def run_bench_cli(args) -> int:
     draft = None
     if {"hf-assisted", "selfspec-draft-model"} & set(names):
         path = args.draft_model or shipped_draft(args.model)
-        if path is None:
-            raise ValueError("hf-assisted / selfspec-draft-model need --draft-model PATH (e.g. from `selfspec export`)")
         draft = load_model(str(path), dtype=args.dtype, device=args.device).model
     medusa = args.medusa_heads or shipped_heads(args.model, "medusa")
     exits = args.exit_heads or shipped_heads(args.model, "early-exit")
@@ -81,7 +117,7 @@ def run_bench_cli(args) -> int:
                                        medusa_lookup=args.medusa_lookup, eagle_heads=eagle, eagle_tree=args.eagle_tree,
                                        eagle_threshold=args.eagle_threshold, eagle_lookup=args.eagle_lookup)
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
-    results = run_bench(methods, prompts, lambda text: encode_prompt(loaded.tokenizer, text, chat=chat),
+    results = run_bench(methods, prompts, lambda text: torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)]),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.seed, progress=not args.json)
     p = loaded.model.get_output_embeddings().weight
@@ -90,7 +126,8 @@ def run_bench_cli(args) -> int:
             "model": loaded.name, "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
             "sample": args.sample,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "chat_template": chat,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "decoding": decoding_mode(args.temperature), "chat_template": chat,
             "methods": names, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),
         },
@@ -103,7 +140,7 @@ def run_bench_cli(args) -> int:
     else:
         print(markdown(result))
         if args.out:
-            print(f"wrote {args.out}/results.json, results.md, speedup.png")
+            print(f"wrote {args.out}/results.json, results.md, speedup.png, acceptance.png, speed_tau.png")
     return 0
 
 

@@ -2,9 +2,11 @@
 
 Protocol (the rules in DESIGN.md): fixed thread count; one warm-up generation per method; for
 each prompt every method runs once, in an order rotated from prompt to prompt so machine drift
-hits all alike; CUDA synchronised before clocks are read; same dtype for all. For greedy runs
-every method's tokens are compared with ``hf-greedy``'s: a divergence at a position where
-hf-greedy's top-2 logit margin is < 1e-3 counts as a numeric tie (reported apart); any other
+hits all alike; CUDA synchronised before clocks are read; same dtype for all. The baseline is
+``hf-generate``: transformers' own ``generate``, decoding as the run asks (greedy, or sampling at
+its temperature; it used to be called ``hf-greedy``, a name still accepted). For greedy runs
+every method's tokens are compared with hf-generate's: a divergence at a position where
+hf-generate's top-2 logit margin is < 1e-3 counts as a numeric tie (reported apart); any other
 divergence makes the method not ``identical``.
 """
 
@@ -23,8 +25,10 @@ import torch
 from ..backbone import Backbone
 from ..decode import DecodeStats
 
-BASELINE = "hf-greedy"
-ALL_METHODS = ("hf-greedy", "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
+BASELINE = "hf-generate"
+# Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.
+ALIASES = {"hf-greedy": BASELINE}
+ALL_METHODS = (BASELINE, "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
                "selfspec-ar", "selfspec-lookup", "selfspec-early-exit", "selfspec-medusa", "selfspec-eagle",
                "selfspec-draft-model")
 TIE_MARGIN = 1e-3
@@ -77,14 +81,16 @@ def _read_prompts(path: str | Path, *, limit: int | None) -> list[Prompt]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            raise ValueError(f"{path}:{i + 1} is not valid JSON") from None
+            raise ValueError(f"{path}:{i + 1} is not valid JSON: each line must be one JSON object") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path}:{i + 1} has no \"prompt\" string")
+            raise ValueError(f"{path}:{i + 1} has no \"prompt\" string: give each line a {{\"prompt\": ...}} object")
+        if not row["prompt"].strip():
+            raise ValueError(f"{path}:{i + 1} has an empty prompt: fix or drop that line")
         prompts.append(Prompt(id=str(row.get("id", i)), category=str(row.get("category", "all")), text=row["prompt"]))
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise ValueError(f"{path} holds no prompts: give a JSONL file with one {{\"prompt\": ...}} per line")
     return prompts
 
 
@@ -122,7 +128,7 @@ def _peak_mb(device: torch.device) -> float | None:
 
 
 def top2_margin(model, ids: torch.Tensor, prefix: list[int]) -> float:
-    """hf-greedy's top-2 logit margin for the token after ``ids + prefix`` (one extra forward)."""
+    """The baseline's top-2 logit margin for the token after ``ids + prefix`` (one extra forward)."""
     x = torch.cat([ids, torch.tensor([prefix], dtype=ids.dtype, device=ids.device)], dim=1)
     with torch.no_grad():
         logits = model(x).logits[0, -1].float()

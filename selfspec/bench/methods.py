@@ -9,18 +9,20 @@ import torch
 from ..backbone import config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
-from .harness import ALL_METHODS, Method
+from .harness import ALIASES, ALL_METHODS, BASELINE, Method
 
 PROMPT_LOOKUP_TOKENS = 10
 
 
 def parse_methods(spec: str | None) -> list[str]:
+    """"all" or a comma list -> method names, old names mapped to today's (once each), baseline first if not given."""
     names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if n not in ALL_METHODS]
+    unknown = [n for n in names if n not in ALL_METHODS and n not in ALIASES]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}")
-    if "hf-greedy" not in names:
-        names.insert(0, "hf-greedy")  # the baseline every speedup is divided by
+    names = list(dict.fromkeys(ALIASES.get(n, n) for n in names))
+    if BASELINE not in names:
+        names.insert(0, BASELINE)  # the baseline every speedup is divided by
     return names
 
 
@@ -92,7 +94,7 @@ def build_methods(
 
     methods = []
     for name in names:
-        if name == "hf-greedy":
+        if name == BASELINE:
             fn = hf()
         elif name == "hf-assisted":
             fn = hf(assistant_model=draft_model)

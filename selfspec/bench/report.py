@@ -1,23 +1,32 @@
-"""results.json, results.md (tables) and speedup.png from a bench result dict."""
+"""results.json, results.md (tables) and three charts from a bench result dict: speedup.png (per method and
+category), acceptance.png (acceptance by draft depth per method) and speed_tau.png (speed-up against tau)."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from ..io import atomic_path, atomic_write_text
+from .harness import BASELINE
 
 
 def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def decoding_mode(temperature: float, *, top_p: float = 1.0, top_k: int = 0) -> str:
+    """What every method (hf-generate included) was asked to do: "greedy", or sampling and with what."""
+    if temperature <= 0:
+        return "greedy"
+    return f"sampling (T={temperature:g}, top-p {top_p:g}, top-k {top_k if top_k > 0 else 'off'})"
+
+
 def markdown(result: dict) -> str:
     cfg, methods = result["config"], result["methods"]
+    mode = cfg.get("decoding") or decoding_mode(cfg["temperature"])  # results from before the field existed
     lines = [
         f"model `{cfg['model']}`, {cfg['device']} ({cfg['threads']} threads), {cfg['dtype']}, "
-        f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, "
-        f"temperature {cfg['temperature']}",
+        f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, {mode}",
         "",
         "| method | tokens/s | speedup | median speedup | vs selfspec-ar | tau | drafts verified / step "
         "| acceptance by depth | draft / verify share | peak MB | identical |",
@@ -44,10 +53,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     methods = result["methods"]
     names = list(methods)
@@ -61,25 +67,75 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(names))])
     ax.set_xticklabels(names, rotation=30, ha="right")
-    ax.set_ylabel("speedup vs hf-greedy")
-    cfg = result["config"]
-    ax.set_title(f"{cfg['model']} on {cfg['device']}, {cfg['n_prompts']} prompts, T={cfg['temperature']}")
+    ax.set_ylabel(f"speedup vs {BASELINE}")
+    ax.set_title(_title(result))
     ax.legend()
+    _save(fig, path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _title(result: dict) -> str:
+    cfg = result["config"]
+    mode = cfg.get("decoding") or decoding_mode(cfg["temperature"])
+    return f"{cfg['model']} on {cfg['device']}, {cfg['n_prompts']} prompts, {mode}"
+
+
+def plot_acceptance(result: dict, path: Path) -> None:
+    """P(draft at depth d accepted | drafted), one line per drafting method."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = 0
+    for name, m in result["methods"].items():
+        acc = m.get("acceptance_by_depth") or []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
+            drawn += 1
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance (accepted / drafted at that depth)")
+    ax.set_ylim(0, 1)
+    ax.set_title(_title(result), fontsize=9)
+    if drawn:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_speed_tau(result: dict, path: Path) -> None:
+    """Speed-up against tau: how far above the diagonal a drafter is says what its drafting costs."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in result["methods"].items():
+        if m.get("tau") is not None and m.get("speedup") is not None:
+            ax.scatter(m["tau"], m["speedup"])
+            ax.annotate(name, (m["tau"], m["speedup"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("tau (tokens committed per target forward)")
+    ax.set_ylabel(f"speedup vs {BASELINE}")
+    ax.set_title(_title(result), fontsize=9)
+    _save(fig, path)
 
 
 def write_report(result: dict, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "results.json", json.dumps(result, indent=2))
-    _atomic_write(out / "results.md", markdown(result))
+    atomic_write_text(out / "results.json", json.dumps(result, indent=2))
+    atomic_write_text(out / "results.md", markdown(result))
     plot(result, out / "speedup.png")
+    plot_acceptance(result, out / "acceptance.png")
+    plot_speed_tau(result, out / "speed_tau.png")

@@ -8,16 +8,14 @@ so ``--resume`` continues from the last one and an interrupt never leaves a torn
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-STATE_FILE = "trainer_state.pt"
+from ..io import atomic_dir, atomic_path
+from .cli_args import STATE_FILE  # noqa: F401  (defined where the torch-free CLI checks can read it)
 
 
 @contextlib.contextmanager
@@ -38,26 +36,14 @@ def deferred_sigint():
 
 def atomic_torch_save(obj, path: Path) -> None:
     """``torch.save`` to a temporary file in ``path``'s directory, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path, mode=None) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def atomic_save_adapter(lora, path: Path) -> None:
     """Save a peft model's LoRA adapter to directory ``path``, replacing the previous one only once complete."""
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-lora-"))
-    lora.save_pretrained(tmp)
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
+    with atomic_dir(path) as tmp:
+        lora.save_pretrained(tmp)
 
 
 def check_resumable(saved: dict, *, differing: list[str], fingerprint: str, vocab, out: Path) -> None:

@@ -41,6 +41,9 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
+from ..io import atomic_dir, atomic_write_text, prompt_ids
+from .cli_args import at_least, check_input_file
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -206,13 +209,8 @@ def prompt_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     tokenized without adding special tokens again (the template already wrote them). Without one:
     the raw prompt with the tokenizer's usual special tokens (e.g. BOS).
     """
-    if uses_chat_template(tokenizer):
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts
-        ]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return tokenizer(list(prompts))["input_ids"]
+    chat = uses_chat_template(tokenizer)
+    return [prompt_ids(tokenizer, p, chat=chat) for p in prompts]
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -491,12 +489,10 @@ def _stored_ids(shards: list[Path]) -> set[str]:
 
 def _write_shard(out_dir: Path, *, index: int, rows: list[dict]) -> None:
     final = out_dir / f"{SHARD_PREFIX}{index:05d}"
-    tmp = out_dir / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     columns = {name: [row[name] for row in rows] for name in _features()}
     ds = datasets.Dataset.from_dict(columns, features=_features())
-    with _datasets_progress_bars_off():
+    with _datasets_progress_bars_off(), atomic_dir(final, prefix=TMP_PREFIX) as tmp:  # readers see a whole shard or none
         ds.save_to_disk(str(tmp))
-    os.rename(tmp, final)  # atomic: readers see a whole shard or none
     log.info("wrote %s (%d rows)", final.name, len(rows))
 
 
@@ -513,9 +509,7 @@ def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
         return
     if any(not p.name.startswith(TMP_PREFIX) for p in out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty and has no {META_FILE}: pick a new or empty output directory")
-    tmp = out_dir / f"{TMP_PREFIX}{META_FILE}"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(meta, indent=2) + "\n")
 
 
 def _remove_stale_temporaries(out_dir: Path) -> None:
@@ -584,10 +578,35 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def check_training_sources(*, data, prompts) -> None:
+    """What train-heads / train-draft read, checked before they load a model: --data must be gen-data
+    output (every directory, with its meta.json), a --prompts JSONL file must exist and hold something."""
+    if data:
+        read_meta(data)
+    if prompts and str(prompts).endswith(".jsonl"):
+        check_input_file(prompts, "prompts")
+
+
+def check_data_args(args: argparse.Namespace) -> None:
+    """The flags' numbers, and an --out that is new, empty or earlier gen-data output (which resumes)."""
+    for name in ("max_new_tokens", "batch_size", "max_prompt_tokens", "shard_size", "samples", "threads"):
+        at_least(getattr(args, name), 1, name)
+    at_least(args.max_prompts, 0, "max_prompts")
+    at_least(args.temperature, 0, "temperature")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: pass a directory path")
+    if out.is_dir() and not (out / META_FILE).is_file() and any(not p.name.startswith(TMP_PREFIX) for p in out.iterdir()):
+        raise ValueError(f"--out {out} is not empty and holds no gen-data output ({META_FILE}): pass a new or empty "
+                         "directory (or the --out of an earlier gen-data run, to resume it)")
+
+
 def run_from_args(args: argparse.Namespace) -> GenerationSummary:
     """Run generation as the parsed flags say, print the one-line summary, and return it."""
-    from selfspec.loading import load_model
+    from selfspec.loading import check_model_name, load_model
 
+    check_data_args(args)
+    check_model_name(args.model)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.references and (args.temperature > 0 or args.samples > 1):
@@ -597,6 +616,8 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
                          "set --temperature > 0 (e.g. 0.7)")
     prompts = load_prompts(args.prompts, max_prompts=args.max_prompts, split=args.split)
     prompts = select_prompts(prompts, sources=args.sources, samples=args.samples)
+    if not prompts:
+        raise ValueError(f"{args.prompts} holds no prompts: give a JSONL file with one {{\"prompt\": ...}} per line")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     out_dir = Path(args.out)
     before = _stored_ids(_finished_shards(out_dir)) if out_dir.is_dir() else set()

@@ -3,7 +3,8 @@
 The student, its loss and its checkpoint format are ``tasks.draft``'s; batching, windows, eval
 split, schedule, atomic checkpoints and ``--resume`` are the shared loop's (``loop.fit``), as for
 train-heads. This module runs it (``train_draft``, the ``train-draft`` CLI) and turns a saved draft
-back into a complete model (``materialize_draft``).
+back into a complete model (``materialize_draft``, which lives with the other model loading in
+``selfspec.loading`` and is re-exported here).
 
 Output ``out/`` (small: the shared tensors are not copied)::
 
@@ -22,12 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import logging
-import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,12 +32,13 @@ from typing import Callable
 import torch
 
 from ..backbone import config_fingerprint
+from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
 from .checkpoint import STATE_FILE, check_resumable
-from .cli_args import flag_type, run_module
+from .cli_args import at_least, check_training_config, flag_type, run_module
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator
 from .split import frequent_vocab, split_eval, to_sequences
-from .tasks.draft import META_FILE, SAVE_DTYPES, WEIGHTS_FILE, DraftTask, make_student
+from .tasks.draft import SAVE_DTYPES, DraftTask, make_student
 
 log = logging.getLogger(__name__)
 
@@ -65,75 +63,6 @@ class DraftConfig:
     cache_features: bool = True       # the teacher's states from train-heads' shared on-disk feature cache
     feature_dtype: str = "float32"    # precision of that one-off pass: float32 | bfloat16
     out: str = "draft-out"
-
-
-def _content_key(path: Path, *salt: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    for s in salt:
-        h.update(b"\0" + s.encode())
-    return h.hexdigest()[:12]
-
-
-def materialize_draft(path, *, base_model: str | None = None) -> Path:
-    """A complete transformers model directory for the draft in ``path``; ``path`` itself if it is one already.
-
-    When ``path/selfspec_draft.json`` exists: load the base model, refuse a config-fingerprint
-    mismatch, fill the shared tensors from it and the trained ones from ``model.safetensors``
-    (upcast to the base model's dtype), and save the result under
-    ``selfspec_home()/drafts/<dirname>-<hash of model.safetensors + base name>``. Cached: a
-    second call only hashes the file. Written to a temporary directory and renamed, so an
-    interrupted call never leaves a half-written draft.
-    """
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    from ..loading import load_model, selfspec_home
-
-    path = Path(path)
-    if not (path / META_FILE).is_file():
-        return path
-    meta = json.loads((path / META_FILE).read_text())
-    base = base_model or meta["base_model"]
-    out = selfspec_home() / "drafts" / f"{path.resolve().name}-{_content_key(path / WEIGHTS_FILE, base)}"
-    if (out / "config.json").is_file() and (out / WEIGHTS_FILE).is_file():
-        return out
-
-    loaded = load_model(base, dtype=torch.float32, device="cpu")
-    fp = config_fingerprint(loaded.model.config)
-    if fp != meta["base_fingerprint"]:
-        raise ValueError(f"{path} was distilled from a model with config fingerprint {meta['base_fingerprint']}, "
-                         f"but {base} has {fp}: pass the base model it was trained from")
-    config = AutoConfig.from_pretrained(path)
-    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    base_sd = loaded.model.state_dict()
-    stored = load_file(path / WEIGHTS_FILE)
-    missing_base = [n for n in meta["shared"] if n not in base_sd]
-    if missing_base:
-        raise ValueError(f"{path}: the base model {base} has no tensor {missing_base[0]}")
-    full = {n: base_sd[n] for n in meta["shared"]} | {n: t.float() for n, t in stored.items()}
-    missing, unexpected = draft.load_state_dict(full, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path} does not fit its config: missing {missing[:1]}, unexpected {unexpected[:1]}")
-    if (path / "generation_config.json").is_file():
-        draft.generation_config = GenerationConfig.from_pretrained(path)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
-        draft.save_pretrained(tmp)
-        loaded.tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / WEIGHTS_FILE).is_file():  # not a concurrent materialisation of the same draft
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def train_draft(
@@ -238,12 +167,28 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def check_draft_args(args: argparse.Namespace, config: DraftConfig) -> None:
+    """Flags, inputs and --out checked before the model loads (and before --prompts writes data into --out)."""
+    from . import data as gen
+
+    at_least(args.layers, 1, "layers")
+    at_least(args.threads, 1, "threads")
+    check_training_config(config, resume=args.resume)
+    if config.save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"--save-dtype {config.save_dtype!r}: use float16 or bfloat16")
+    check_model_name(args.model)
+    gen.check_training_sources(data=args.data, prompts=args.prompts)
+    n = model_config(args.model).num_hidden_layers
+    if args.layers >= n:
+        raise ValueError(f"--layers {args.layers}: {args.model} has {n} layers, so a draft takes 1 to {n - 1}")
+
+
 def run_train_draft(args: argparse.Namespace) -> TrainResult:
     """``selfspec train-draft``: optionally generate data, distil, print a one-line summary."""
-    from ..loading import load_model
     from . import data as gen
 
     config = DraftConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DraftConfig)})
+    check_draft_args(args, config)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)

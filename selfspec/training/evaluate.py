@@ -25,7 +25,9 @@ import torch
 from torch.nn import functional as F
 
 from ..backbone import Backbone, config_fingerprint
-from ..heads import ExitLayerHead, load_heads
+from ..heads import ExitLayerHead, load_heads, read_heads_config
+from ..loading import DRAFT_META_FILE, check_model_name, load_model, selfspec_home
+from .cli_args import at_least
 from .data import data_dirs
 from .split import Sequence, to_sequences
 from .tune import heldout_sequences, medusa_rank_accuracy, rank_of
@@ -33,8 +35,6 @@ from .tune import heldout_sequences, medusa_rank_accuracy, rank_of
 
 def eval_data_dir(model, prompts: list[dict], *, max_new_tokens: int) -> Path:
     """Cache directory for the target's answers to these prompts (keyed by model, prompts and length)."""
-    from ..loading import selfspec_home
-
     h = hashlib.sha1(f"{config_fingerprint(model.config)}:{model.dtype}:{max_new_tokens}".encode())
     for row in prompts:
         h.update(json.dumps([row["id"], row["prompt"]]).encode())
@@ -182,24 +182,31 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plot", default=None, help="also write a chart of per-head top-1 / top-5 accuracy to this .png file")
     p.add_argument("--no-progress", action="store_true")
 
 
 def run_eval_heads(args: argparse.Namespace) -> int:
     from ..bench.harness import load_prompts
-    from ..loading import load_model
 
     for flag in ("limit", "sample", "max_new_tokens", "batch_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    at_least(args.threads, 1, "threads")
+    if args.plot is not None and (not args.plot.endswith(".png") or not Path(args.plot).resolve().parent.is_dir()):
+        raise ValueError(f"--plot {args.plot}: give a .png file in an existing directory")
+    check_model_name(args.model)
     cfg_path = Path(args.heads) / "config.json"
     if not cfg_path.is_file():
-        raise ValueError(f"{args.heads} is not a heads directory (no config.json)")
-    is_draft = (Path(args.heads) / "selfspec_draft.json").is_file()
-    kind = "draft-model" if is_draft else json.loads(cfg_path.read_text()).get("kind")
+        raise ValueError(f"{args.heads} is not a heads directory (no config.json): pass one from `selfspec train-heads` "
+                         "or a draft from `selfspec train-draft`")
+    is_draft = (Path(args.heads) / DRAFT_META_FILE).is_file()
+    kind = "draft-model" if is_draft else read_heads_config(args.heads).kind
+    if args.data and args.data != "none" and not all(d.is_dir() for d in data_dirs(args.data)):
+        raise FileNotFoundError(f"--data {args.data}: no such directory: pass the heads' training data, or 'none'")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompts = [{"id": p.id, "prompt": p.text}
                for p in load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)]
     if not prompts:
@@ -229,6 +236,8 @@ def _report(r: dict, args: argparse.Namespace, *, data, name) -> int:
     r.update(heads=str(args.heads), prompts_file=str(args.prompts), limit=args.limit, sample=args.sample,
              seed=args.seed, max_new_tokens=args.max_new_tokens, train_data=data,
              command=" ".join(["selfspec"] + sys.argv[1:]))
+    if args.plot:
+        plot_accuracy(r, Path(args.plot), name=name)
     if args.json:
         json.dump(r, sys.stdout, indent=1)
         print()
@@ -243,3 +252,33 @@ def _report(r: dict, args: argparse.Namespace, *, data, name) -> int:
         extra = f" {ref['top1'][k]:.3f} | {ref['top5'][k]:.3f} |" if ref else ""
         print(f"| {name(k)} | {t1:.3f} | {t5:.3f} |{extra}")
     return 0
+
+
+def plot_accuracy(r: dict, path: Path, *, name) -> None:
+    """Bars of top-1 and top-5 per head (or draft step) on the unseen prompts, held-out split beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..io import atomic_path
+
+    series = [("top-1 unseen prompts", r["top1"]), ("top-5 unseen prompts", r["top5"])]
+    ref = r.get("held_out_train_split")
+    if ref:
+        series += [("top-1 held-out train", ref["top1"]), ("top-5 held-out train", ref["top5"])]
+    n, width = len(r["top1"]), 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * n + 2), 4))
+    for i, (label, vals) in enumerate(series):
+        ax.bar([k + i * width for k in range(n)], vals, width, label=label)
+    ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(n)])
+    ax.set_xticklabels([name(k) for k in range(n)])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy (draft candidate is the target's token)")
+    ax.set_title(f"{r['kind']} {Path(str(r['heads'])).name}: {r['prompts']} prompts of {Path(str(r['prompts_file'])).name}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)

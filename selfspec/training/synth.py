@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import sys
@@ -29,6 +28,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..io import atomic_write_text
+from ..loading import check_model_name, load_model
+from .cli_args import at_least, positive
 from .data import load_prompts, select_prompts
 
 MIN_CHARS, MAX_CHARS = 16, 400
@@ -118,11 +120,8 @@ def _read_existing(out: Path) -> tuple[list[dict], dict]:
 def _write(out: Path, rows: list[dict], state: dict) -> None:
     # Rows, then state, each by rename: a kill between the two only repeats a batch's requests.
     out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)),
-                       (_state_path(out), json.dumps(state) + "\n")):
-        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(_state_path(out), json.dumps(state) + "\n")
 
 
 def add_synth_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,14 +142,26 @@ def add_synth_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run_synth(args: argparse.Namespace) -> int:
-    from ..loading import load_model
-
+def check_synth_args(args: argparse.Namespace) -> None:
+    """The flags' numbers, --out and the model name, checked before the model loads."""
+    for name in ("n", "examples", "max_new_tokens", "batch_size", "threads"):
+        at_least(getattr(args, name), 1, name)
+    positive(args.temperature, "temperature")
     out = Path(args.out)
     if out.suffix != ".jsonl":
         raise ValueError(f"--out {out} must end in .jsonl (it is a prompt file for gen-data)")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: pass a .jsonl file path")
+    check_model_name(args.model)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    check_synth_args(args)
+    out = Path(args.out)
     seeds = load_prompts(args.seeds)
     seeds = [r["prompt"] for r in select_prompts(seeds, sources=args.sources)]
+    if not seeds:
+        raise ValueError(f"{args.seeds} holds no seed prompts: give a JSONL file with one {{\"prompt\": ...}} per line")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)

@@ -145,6 +145,7 @@ def train_heads(
     aux = parse_widths(config.aux_layers, flag="--aux-layers") or None
     if aux is not None and config.kind != "eagle":
         raise ValueError("--aux-layers applies to --kind eagle only")
+    torch.manual_seed(config.seed)   # the heads' random initial weights: a rerun (or a killed run restarted) starts the same
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
                             token_input=config.token_input, head_mlp=parse_widths(config.head_mlp),
                             adapter=config.exit_adapter, intermediate_size=config.exit_intermediate,
@@ -166,7 +167,7 @@ def train_heads(
                         vocab=vocab, out=out)
         module.load_state_dict(saved["heads"])
     elif init is not None:
-        load_grown(module, init)
+        load_grown(module, init, heads.config.aux_layers if config.kind == "eagle" else None)
         log.info("warm start from %s", config.init)
     elif resume:
         log.warning("--resume: %s has no %s, starting from scratch", out, STATE_FILE)

@@ -32,9 +32,12 @@ from ..backbone import Backbone, config_fingerprint
 from ..decode import decode
 from ..drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..drafters.eagle import parse_dynamic_tree
-from ..heads import Heads, load_heads, save_heads
+from ..heads import Heads, load_heads, read_heads_config, save_heads, write_heads_config
+from ..loading import check_model_name, load_model
 from ..sampling import SamplingParams
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
+from .cli_args import at_least, in_unit_interval
+from .data import read_meta
 from .losses import to_subset_ids
 from .split import Sequence, recorded_split
 
@@ -214,20 +217,27 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="time nothing: choose again, with this --tolerance, from the timings recorded by the last run")
 
 
-def run_tune(args) -> int:
-    from ..loading import load_model
+def check_tune_args(args) -> None:
+    """Flags, heads and data checked before the model loads."""
+    in_unit_interval(args.tolerance, "tolerance", open_high=True)
+    for name in ("prompts_n", "max_new_tokens", "repeats", "threads"):
+        at_least(getattr(args, name), 1, name)
+    if args.recorded:
+        return
+    check_model_name(args.model)
+    read_heads_config(args.heads)
+    read_meta(args.data)
 
-    if not 0 <= args.tolerance < 1:
-        raise ValueError(f"--tolerance must be in [0, 1) (got {args.tolerance})")
+
+def run_tune(args) -> int:
+    check_tune_args(args)
     if args.recorded:
         return _repick(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else None)
     p = loaded.model.get_output_embeddings().weight
-    kind = json.loads((Path(args.heads) / "config.json").read_text())["kind"] if (Path(args.heads) / "config.json").is_file() else None
-    if kind is None:
-        raise ValueError(f"{args.heads} is not a heads directory")
+    kind = read_heads_config(args.heads).kind
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
                        device=p.device, dtype=p.dtype, model=loaded.model)
     seqs = heldout_sequences(args.data, heads)
@@ -262,8 +272,6 @@ def _report_choice(path: str, best: Candidate) -> int:
 
 def _repick(args) -> int:
     """--recorded: apply ``pick`` again to the candidates the last tune-tree run timed (config.json only)."""
-    from ..heads import write_heads_config
-
     cfg_path = Path(args.heads) / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{args.heads} is not a heads directory")

@@ -1,0 +1,7 @@
+"""``python -m selfspec``: the same command line as the ``selfspec`` script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

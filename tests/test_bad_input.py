@@ -1,0 +1,212 @@
+"""Bad input never crashes selfspec: every command answers it with one line on stderr and exit
+status 2, and leaves nothing behind (no output file or directory); the Python API raises a
+ValueError / FileNotFoundError whose message is one line.
+
+Each CLI case runs the real command line in a subprocess (``python -m selfspec ...``). Most fail
+while the flags are checked, before torch loads (a fraction of a second); those that need a model
+use a tiny random one saved to a temporary directory, and a handful use the demo model's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+
+V = 97
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", unk_token="w1", eos_token="w2")
+
+
+def _save_heads(kind: str, model, name: str, path: Path) -> Path:
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+
+    save_heads(untrained_heads(kind, model, name), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory) -> Path:
+    """A directory of inputs, good and bad: a tiny model, heads of each kind, broken files."""
+    root = tmp_path_factory.mktemp("bad-input")
+    model = tiny_model("llama")
+    tiny = root / "tiny"
+    model.save_pretrained(tiny)
+    _tokenizer().save_pretrained(tiny)
+    _save_heads("medusa", model, str(tiny), root / "medusa")
+    _save_heads("eagle", model, str(tiny), root / "eagle")
+    _save_heads("medusa", tiny_model("llama", num_hidden_layers=2), "other", root / "other-medusa")
+    trunc = _save_heads("medusa", model, str(tiny), root / "trunc-medusa") / "model.safetensors"
+    trunc.write_bytes(trunc.read_bytes()[: trunc.stat().st_size // 2])
+    _save_heads("medusa", model, str(tiny), root / "badcfg-medusa")
+    (root / "badcfg-medusa" / "config.json").write_text('{"kind": "medusa", ')
+
+    (root / "good.jsonl").write_text('{"prompt": "w3 w4 w5"}\n{"prompt": "w6 w7"}\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "noprompt.jsonl").write_text('{"prompt": "w3"}\n{"text": "w4"}\n')
+    (root / "notjson.jsonl").write_text('{"prompt": "w3"}\nthis is not json\n')
+    (root / "emptyprompt.jsonl").write_text('{"prompt": ""}\n')
+    (root / "fake.gguf").write_text("this is a text file, not a model\n")
+    (root / "empty.gguf").write_bytes(b"")
+    (root / "nodata").mkdir()                         # a directory that is neither a model nor gen-data output
+    (root / "full").mkdir()                           # a non-empty output directory
+    (root / "full" / "keep.txt").write_text("mine\n")
+    (root / "run").mkdir()                            # an earlier training run
+    (root / "run" / "trainer_state.pt").write_bytes(b"x")
+    (root / "data").mkdir()                           # gen-data output (its meta.json is all the checks read)
+    (root / "data" / "meta.json").write_text(json.dumps({"format": 1, "model": str(tiny)}))
+    return root
+
+
+DEMO = "smollm2-135m"
+# (id, argv with {d} for the inputs directory and {o} for this case's own output path).
+CASES = [
+    # generate: flags
+    ("generate-max-new-tokens-zero", "generate --prompt hi --max-new-tokens 0"),
+    ("generate-max-new-tokens-negative", "generate --prompt hi --max-new-tokens -5"),
+    ("generate-top-p-above-one", "generate --prompt hi --temperature 0.7 --top-p 1.5"),
+    ("generate-top-p-zero", "generate --prompt hi --temperature 0.7 --top-p 0"),
+    ("generate-negative-temperature", "generate --prompt hi --temperature -1"),
+    ("generate-negative-top-k", "generate --prompt hi --temperature 0.7 --top-k -3"),
+    ("generate-empty-prompt", ["generate", "--prompt", ""]),
+    ("generate-heads-for-lookup", "generate --prompt hi --drafter lookup --heads {d}/medusa"),
+    ("generate-draft-model-for-medusa", "generate --prompt hi --drafter medusa --draft-model {d}/tiny"),
+    ("generate-unknown-drafter", "generate --prompt hi --drafter warp"),
+    ("generate-max-new-tokens-not-a-number", "generate --prompt hi --max-new-tokens lots"),
+    ("generate-draft-model-missing", "generate --model {d}/tiny --prompt hi --drafter draft-model"),
+    # generate: model names and files
+    ("generate-missing-model-dir", "generate --model ./no-such-model --prompt hi"),
+    ("generate-malformed-model-name", ["generate", "--model", "not a model!", "--prompt", "hi"]),
+    ("generate-model-dir-without-config", "generate --model {d}/nodata --prompt hi"),
+    ("generate-text-file-as-gguf", "generate --model {d}/fake.gguf --prompt hi"),
+    ("generate-empty-gguf", "generate --model {d}/empty.gguf --prompt hi"),
+    # generate: decoding settings and heads
+    ("generate-threshold-above-one", "generate --model {d}/tiny --prompt w3 --drafter medusa --threshold 1.5"),
+    ("generate-negative-gate", "generate --model {d}/tiny --prompt w3 --drafter medusa --gate -1"),
+    ("generate-malformed-tree", "generate --model {d}/tiny --prompt w3 --drafter medusa --tree chain-x"),
+    ("generate-eagle-heads-for-medusa", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/eagle"),
+    ("generate-heads-of-another-model", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/other-medusa"),
+    ("generate-truncated-heads", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/trunc-medusa"),
+    ("generate-invalid-heads-config", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/badcfg-medusa"),
+    # bench
+    ("bench-unknown-method", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods hf-greedy,warp-speed --out {o}"),
+    ("bench-row-without-prompt", "bench --model {d}/tiny --prompts {d}/noprompt.jsonl --methods selfspec-ar --out {o}"),
+    ("bench-non-json-line", "bench --model {d}/tiny --prompts {d}/notjson.jsonl --methods selfspec-ar --out {o}"),
+    ("bench-empty-prompts-file", "bench --model {d}/tiny --prompts {d}/empty.jsonl --methods selfspec-ar --out {o}"),
+    ("bench-empty-prompt", "bench --model {d}/tiny --prompts {d}/emptyprompt.jsonl --methods selfspec-ar --out {o}"),
+    ("bench-non-empty-out", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar --out {d}/full"),
+    ("bench-threshold-above-one", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-medusa "
+                                  "--medusa-threshold 2 --out {o}"),
+    # gen-data
+    ("gen-data-batch-size-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --batch-size 0"),
+    ("gen-data-non-json-line", "gen-data --model {d}/tiny --prompts {d}/notjson.jsonl --out {o}"),
+    ("gen-data-non-empty-out", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {d}/full"),
+    # train-heads / train-draft
+    ("train-heads-steps-zero", "train-heads --model {d}/tiny --data {d}/data --out {o} --steps 0"),
+    ("train-heads-negative-lr", "train-heads --model {d}/tiny --data {d}/data --out {o} --lr -0.001"),
+    ("train-heads-existing-run", "train-heads --model {d}/tiny --data {d}/data --out {d}/run"),
+    ("train-heads-non-empty-out", "train-heads --model {d}/tiny --data {d}/data --out {d}/full"),
+    ("train-heads-data-not-gen-data", "train-heads --model {d}/tiny --data {d}/nodata --out {o}"),
+    ("train-heads-exit-layer-out-of-range", "train-heads --model {d}/tiny --data {d}/data --out {o} --kind early-exit "
+                                            "--exit-layer 9"),
+    ("train-draft-layers-zero", "train-draft --model {d}/tiny --data {d}/data --out {o} --layers 0"),
+    # eval-heads / tune-tree / export / synth-prompts
+    ("eval-heads-truncated-heads", "eval-heads --model {d}/tiny --heads {d}/trunc-medusa --prompts {d}/good.jsonl"),
+    ("tune-tree-repeats-zero", "tune-tree --model {d}/tiny --heads {d}/medusa --data {d}/data --repeats 0"),
+    ("export-non-empty-out", "export --model {d}/tiny --layers 2 --out {d}/full"),
+    ("synth-out-not-jsonl", "synth-prompts --model {d}/tiny --seeds {d}/good.jsonl --out {o}.txt"),
+    # the demo model's name: shipped heads and drafts, checked before it loads
+    ("demo-no-shipped-draft", f"generate --model {DEMO} --prompt hi --drafter draft-model"),
+    ("demo-eagle-heads-for-medusa", f"generate --model {DEMO} --prompt hi --drafter medusa --heads checkpoints/{DEMO}/eagle"),
+    ("demo-bench-empty-tree", f"bench --model {DEMO} --prompts {{d}}/good.jsonl --methods hf-greedy,selfspec-medusa "
+                              "--medusa-tree chain-0 --out {o}"),
+]
+
+
+def _snapshot(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "selfspec", *argv], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_cli_input_is_one_line_and_exit_2(argv, d, request):
+    out = d / f"out-{request.node.callspec.id}"
+    parts = argv.split() if isinstance(argv, str) else argv
+    parts = [p.format(d=d, o=out) for p in parts]
+    before = _snapshot(d)
+    proc = _run(parts)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert lines and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error" in lines[-1], lines[-1]
+    assert _snapshot(d) == before, f"left behind: {sorted(_snapshot(d) - before)}"
+    for suffix in ("", ".jsonl", ".txt"):
+        assert not Path(f"{out}{suffix}").exists()
+
+
+# ---------------------------------------------------------------------------------------------- API
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(name_or_path="not a model!"), ValueError, "not a model"),
+    (dict(name_or_path="{d}/fake.gguf"), ValueError, "not a GGUF"),
+    (dict(name_or_path="{d}/empty.gguf"), ValueError, "empty"),
+    (dict(name_or_path="{d}/tiny", drafter="medusa", heads="{d}/eagle"), ValueError, "'eagle' heads"),
+    (dict(name_or_path="{d}/tiny", drafter="medusa", heads="{d}/no-heads"), FileNotFoundError, "does not exist"),
+    (dict(name_or_path="{d}/tiny", drafter="medusa", heads="{d}/trunc-medusa"), ValueError, "truncated"),
+    (dict(name_or_path="{d}/tiny", drafter="medusa", threshold=1.5), ValueError, "threshold"),
+    (dict(name_or_path="{d}/tiny", drafter="eagle", tree="dynamic-0-4-8"), ValueError, "depth"),
+    (dict(name_or_path="{d}/tiny", drafter="lookup", heads="{d}/medusa"), ValueError, "neither heads"),
+    (dict(name_or_path="{d}/tiny", drafter="draft-model"), ValueError, "draft_model="),
+    (dict(name_or_path="{d}/tiny", drafter="early-exit", exit_layer=9), ValueError, "exit layer 9"),
+], ids=["malformed-name", "text-gguf", "empty-gguf", "wrong-kind-heads", "missing-heads", "truncated-heads",
+        "threshold", "eagle-tree", "heads-for-lookup", "no-draft-model", "exit-layer"])
+def test_from_pretrained_bad_input(kwargs, error, match, d):
+    from selfspec import SelfSpeculativeModel
+
+    kwargs = {k: v.format(d=d) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(error) as excinfo:
+        SelfSpeculativeModel.from_pretrained(**kwargs, device="cpu")
+    assert match in _one_line(excinfo)
+
+
+@pytest.mark.parametrize("ids, kwargs", [
+    ([[]], {}),
+    ([[3, 4]], dict(max_new_tokens=0)),
+    ([[3, 4]], dict(do_sample=True, temperature=0.7, top_p=1.5)),
+    ([[3, 4]], dict(do_sample=True, temperature=-1.0)),
+    ([[3, 4], [5, 6]], {}),
+], ids=["empty-prompt", "zero-new-tokens", "top-p", "negative-temperature", "batch"])
+def test_generate_bad_input(ids, kwargs, d, one_thread):
+    from selfspec import SelfSpeculativeModel
+
+    sm = SelfSpeculativeModel.from_pretrained(str(d / "tiny"), drafter="lookup", device="cpu")
+    with pytest.raises(ValueError) as excinfo:
+        sm.generate(torch.tensor(ids, dtype=torch.long), **kwargs)
+    _one_line(excinfo)
