@@ -96,3 +96,21 @@ def prompt_ids(tokenizer, prompt: str, *, chat: bool) -> list[int]:
         raise ValueError("chat formatting asked for (--chat) but the tokenizer has no chat template: drop --chat")
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (imported on first use: the CLI starts without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Lay out ``fig``, write it to ``path`` whole (see :func:`atomic_path`) and free it."""
+    fig.tight_layout()
+    with atomic_path(path, suffix=Path(path).suffix) as tmp:
+        fig.savefig(tmp, dpi=120)
+    pyplot().close(fig)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..io import atomic_path, atomic_write_text
+from ..io import atomic_write_text, pyplot, save_figure
 from .harness import BASELINE
 
 
@@ -53,7 +53,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
 
     methods = result["methods"]
     names = list(methods)
@@ -70,25 +70,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel(f"speedup vs {BASELINE}")
     ax.set_title(_title(result))
     ax.legend()
-    _save(fig, path)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _title(result: dict) -> str:
@@ -99,7 +81,7 @@ def _title(result: dict) -> str:
 
 def plot_acceptance(result: dict, path: Path) -> None:
     """P(draft at depth d accepted | drafted), one line per drafting method."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = 0
     for name, m in result["methods"].items():
@@ -113,12 +95,12 @@ def plot_acceptance(result: dict, path: Path) -> None:
     ax.set_title(_title(result), fontsize=9)
     if drawn:
         ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_speed_tau(result: dict, path: Path) -> None:
     """Speed-up against tau: how far above the diagonal a drafter is says what its drafting costs."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, m in result["methods"].items():
         if m.get("tau") is not None and m.get("speedup") is not None:
@@ -128,7 +110,7 @@ def plot_speed_tau(result: dict, path: Path) -> None:
     ax.set_xlabel("tau (tokens committed per target forward)")
     ax.set_ylabel(f"speedup vs {BASELINE}")
     ax.set_title(_title(result), fontsize=9)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def write_report(result: dict, out_dir: str | Path) -> None:

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from ..backbone import Backbone, config_fingerprint
 from ..heads import ExitLayerHead, load_heads, read_heads_config
+from ..io import pyplot, save_figure
 from ..loading import DRAFT_META_FILE, check_model_name, load_model, selfspec_home
 from .cli_args import at_least
 from .data import data_dirs
@@ -256,13 +257,7 @@ def _report(r: dict, args: argparse.Namespace, *, data, name) -> int:
 
 def plot_accuracy(r: dict, path: Path, *, name) -> None:
     """Bars of top-1 and top-5 per head (or draft step) on the unseen prompts, held-out split beside them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..io import atomic_path
-
+    plt = pyplot()
     series = [("top-1 unseen prompts", r["top1"]), ("top-5 unseen prompts", r["top5"])]
     ref = r.get("held_out_train_split")
     if ref:
@@ -278,7 +273,4 @@ def plot_accuracy(r: dict, path: Path, *, name) -> None:
     ax.set_title(f"{r['kind']} {Path(str(r['heads'])).name}: {r['prompts']} prompts of {Path(str(r['prompts_file'])).name}",
                  fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
