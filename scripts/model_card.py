@@ -5,8 +5,8 @@
 
 Heads directories and distilled drafts (``selfspec_draft.json``) both work.
 
-Training facts come from the heads' config.json (``extra``: data, steps, tokens, wall time,
-held-out accuracy, tree search); accuracy on dev prompts from ``selfspec eval-heads --json``
+Training facts come from the heads' config.json (``provenance``: data, steps, tokens, wall time,
+held-out accuracy; ``decode``: the tuned settings) and tune-tree.json (the tree search); accuracy on dev prompts from ``selfspec eval-heads --json``
 (``--eval``); tau and speed on dev prompts from a ``selfspec bench`` results.json.
 """
 
@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
+
+from selfspec.heads import read_heads_config
+from selfspec.training.tune import recorded_search
 
 
 def _pct(xs) -> str:
@@ -148,8 +152,8 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
 def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_eval: dict | None = None) -> str:
     if (ckpt / "selfspec_draft.json").is_file():
         return draft_card(ckpt, bench, method, hardware, dev_eval)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    extra = cfg.get("extra") or {}
+    config = read_heads_config(ckpt)
+    cfg, extra, decode = asdict(config), config.provenance, config.decode
     tc = extra.get("train_config") or {}
     ev = extra.get("eval") or {}
     kind = cfg["kind"]
@@ -196,7 +200,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
               f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
               f"count, which also scores deeper heads from the prompt's last positions)", ""]
-    ts = extra.get("tree_search")
+    ts = recorded_search(ckpt)
     if ts:
         lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
                   f"Chosen by `selfspec tune-tree` on {ts['held_out_prompts']} held-out training prompts "
@@ -217,11 +221,10 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
             lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | {c.get('lookup', 0)} | "
                          f"{'-' if nodes is None else f'{nodes:.2f}'} | "
                          f"{c['tokens_per_s']:.1f} | {speedup} | {c['tau']:.2f} |")
-        chosen = extra.get("tree")
+        chosen = decode.tree
         lines.append("")
         lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
-                     f"threshold {extra.get('threshold', 0.0):g}, gate {extra.get('gate', 0.0):g}, "
-                     f"lookup {extra.get('lookup', 0)}.")
+                     f"threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}.")
         lines.append("")
     if dev_eval:
         lines += _eval_section(dev_eval)

@@ -87,6 +87,8 @@ def cmd_generate(args) -> int:
 
 
 def add_generate(p: argparse.ArgumentParser) -> None:
+    from .settings import DEFAULT_MAX_NEW_TOKENS
+
     p.add_argument("--model", default="smollm2-135m", help="alias, model directory, .gguf file or hub id")
     p.add_argument("--drafter", default="auto", choices=["auto", *DRAFTER_NAMES],
                    help="auto: the shipped drafter measured fastest for the demo model (else the context lookup)")
@@ -104,7 +106,7 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                         "tokens occurred before (0 = off; auto = as tuned). Output is unchanged")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

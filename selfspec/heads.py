@@ -15,7 +15,8 @@
 
 Both feed the target's shared LM head (not stored here). A heads directory holds
 ``config.json`` (kind, base model name and config fingerprint, sizes, exit layer, selfspec
-version) and ``model.safetensors``. Loading refuses heads made for another model.
+version; ``decode``: the per-step settings tune-tree measured fastest; ``provenance``: how they were
+trained) and ``model.safetensors``. Loading refuses heads made for another model.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from . import __version__
 from .io import atomic_path, atomic_write_text
+from .settings import DecodeSettings
 
 KINDS = ("medusa", "early-exit", "eagle")
 
@@ -59,7 +61,24 @@ class HeadsConfig:
     lora: dict | None = None        # set when the backbone was fine-tuned with the heads (Medusa-2): output changes
     storage_dtype: str = "float32"  # how model.safetensors stores floating tensors (float16 halves a checkpoint)
     selfspec_version: str = __version__
-    extra: dict = field(default_factory=dict)  # training provenance (data, steps, accuracy)
+    decode: DecodeSettings = field(default_factory=DecodeSettings)  # per-step settings tune-tree measured fastest ("auto")
+    provenance: dict = field(default_factory=dict)  # how they were trained: data, rows, steps, tokens, wall time, held-out accuracy
+
+
+# Keys of the one untyped ``extra`` section that configs written before selfspec 0.2 carry.
+_LEGACY_DECODE_KEYS = ("tree", "threshold", "gate", "lookup")
+
+
+def _migrated(raw: dict) -> dict:
+    """A config.json from before the ``decode`` / ``provenance`` split, in today's layout (its
+    tune-tree timings, once under ``extra``, stay readable as ``provenance["tree_search"]``)."""
+    if "extra" not in raw:
+        return raw
+    raw = dict(raw)
+    extra = raw.pop("extra") or {}
+    raw.setdefault("decode", {k: extra[k] for k in _LEGACY_DECODE_KEYS if k in extra})
+    raw.setdefault("provenance", {k: v for k, v in extra.items() if k not in _LEGACY_DECODE_KEYS})
+    return raw
 
 
 class ResidualMLP(nn.Module):
@@ -233,8 +252,12 @@ def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None =
         raw = json.loads(cfg_path.read_text())
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
+        raw = _migrated(raw)
         known = set(HeadsConfig.__dataclass_fields__)
-        config = HeadsConfig(**{k: v for k, v in raw.items() if k in known})
+        config = HeadsConfig(**{**{k: v for k, v in raw.items() if k in known},
+                                "decode": DecodeSettings.from_json(raw.get("decode"))})
+        if not isinstance(config.provenance, dict):
+            raise ValueError("its provenance section must be a mapping")
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{cfg_path} is not a valid heads config ({reason}): copy the heads again or retrain them") from None

@@ -21,20 +21,18 @@ from .backbone import Backbone, config_fingerprint
 from .decode import DecodeStats, decode
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
                        check_drafter_name)
-from .drafters.eagle import DEFAULT_EAGLE_TREE, parse_dynamic_tree
-from .drafters.lookup import DEFAULT_LOOKUP
+from .drafters.eagle import parse_dynamic_tree
 from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
 from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
-from .tree import MEDUSA_DEFAULT, build_tree, chain, parse_tree
+from .settings import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS, check_settings,
+                       default_exit_layer, resolve_settings)
+from .tree import build_tree, parse_tree
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NUM_HEADS = 4
-DEFAULT_EARLY_EXIT_TREE = "chain-4"
-DEFAULT_DRAFT_MODEL_TREE = "chain-4"
 # generate() kwargs transformers users commonly pass that have no effect here.
 _IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id", "num_beams", "num_return_sequences"}
 
@@ -47,7 +45,7 @@ class GenerateOutput:
 
 def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM_HEADS,
                     exit_layer: int | None = None, adapter: str = "mlp", intermediate_size: int = 0,
-                    token_input: bool = False, head_mlp=(), aux_layers=None, draft_vocab: torch.Tensor | None = None) -> Heads:
+                    token_input: bool = DEFAULT_TOKEN_INPUT, head_mlp=(), aux_layers=None, draft_vocab: torch.Tensor | None = None) -> Heads:
     """Initial heads: Medusa heads repeat the target's next token; an untrained exit adapter is plain early exit.
 
     token_input: Medusa heads that also read the root token's embedding (see heads.py).
@@ -59,7 +57,7 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
     """
     cfg = model.config
     n_layers = cfg.num_hidden_layers
-    exit_layer = (exit_layer if exit_layer is not None else n_layers // 2) if kind == "early-exit" else None
+    exit_layer = (exit_layer if exit_layer is not None else default_exit_layer(n_layers)) if kind == "early-exit" else None
     if exit_layer is not None and not 0 < exit_layer < n_layers:
         raise ValueError(f"exit layer {exit_layer} is out of range: this model has {n_layers} layers, so it takes 1 to {n_layers - 1}")
     config = HeadsConfig(
@@ -88,70 +86,6 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
                  draft_vocab=None if draft_vocab is None else draft_vocab.to(p.device))
 
 
-def _tuned_tree(heads: Heads, fallback):
-    """tree="auto": the tree measured best for these heads (config.extra["tree"]), else ``fallback``."""
-    spec = heads.config.extra.get("tree")
-    return parse_tree(spec, default=fallback) if spec else fallback
-
-
-def _tuned(heads: Heads, value, key: str, kind: type = float):
-    """threshold / gate / lookup "auto": the value measured best with the tuned tree (config.extra[key]), else 0 (off)."""
-    if value is None or value == "auto":
-        return kind((heads.config.extra or {}).get(key, 0))
-    return _whole(value, key) if kind is int else _number(value, key)
-
-
-# Range of each per-step setting a user may give (threshold is a probability; gate a token count).
-_LIMITS = {"threshold": (0.0, 1.0), "gate": (0.0, float("inf")), "lookup": (0, float("inf"))}
-
-
-def _in_range(number, key: str):
-    low, high = _LIMITS.get(key, (float("-inf"), float("inf")))
-    if not low <= number <= high:
-        span = f"between {low:g} and {high:g}" if high != float("inf") else f">= {low:g}"
-        raise ValueError(f"{key} must be 'auto' or {span} (got {number:g})")
-    return number
-
-
-def _number(value, key: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be 'auto' or a number (got {value!r})") from None
-    return _in_range(number, key)
-
-
-def _whole(value, key: str) -> int:
-    try:
-        if float(value) != int(float(value)):
-            raise ValueError
-        number = int(float(value))
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{key} must be 'auto' or a whole number (got {value!r})") from None
-    return _in_range(number, key)
-
-
-def check_decoding_options(drafter: str, *, tree="auto", threshold="auto", gate="auto", lookup="auto") -> None:
-    """Refuse, before any model loads, settings that do not apply to ``drafter`` or cannot be parsed:
-    a malformed tree, a threshold outside [0, 1], a negative gate or lookup."""
-    check_drafter_name(drafter)
-    if drafter not in HEADS_DRAFTERS and threshold not in ("auto", None, 0, 0.0):
-        raise ValueError(f"threshold applies to the medusa, early-exit and eagle drafters, not {drafter!r}")
-    if drafter != "medusa" and gate not in ("auto", None, 0, 0.0):
-        raise ValueError(f"gate applies to the medusa drafter only, not {drafter!r} (early exit: use threshold)")
-    if drafter not in ("medusa", "lookup", "eagle") and lookup not in ("auto", None, 0):
-        raise ValueError(f"lookup applies to the medusa, eagle and lookup drafters only, not {drafter!r}")
-    for value, key, kind in ((threshold, "threshold", float), (gate, "gate", float), (lookup, "lookup", int)):
-        if value not in ("auto", None):
-            _whole(value, key) if kind is int else _number(value, key)
-    if tree in ("auto", None):
-        return
-    if drafter == "eagle":
-        parse_dynamic_tree(tree)
-    elif drafter in ("medusa", "early-exit", "draft-model") and not parse_tree(tree, default=()):
-        raise ValueError(f"tree {tree!r} has no nodes: use 'auto', chain-K with K >= 1, or a non-empty list of paths")
-
-
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, tree, name: str,
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto"):
@@ -163,32 +97,28 @@ class SelfSpeculativeModel:
         self.heads = heads
         self.last_stats: DecodeStats | None = None
         device = str(self.backbone.device)
+        decode = heads.config.decode if heads is not None else None
+        st = resolve_settings(drafter_name, decode, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         if drafter_name == "none":
             self.drafter = NoDrafter(self.backbone.device)
         elif drafter_name == "lookup":
-            k = DEFAULT_LOOKUP if lookup in ("auto", None) else _whole(lookup, "lookup")
-            self.drafter = LookupDrafter(self.backbone.device, lookup=k, vocab_size=self.backbone.vocab_size)
+            self.drafter = LookupDrafter(self.backbone.device, lookup=st.lookup, vocab_size=self.backbone.vocab_size)
         elif drafter_name == "medusa":
-            # The default tree, cut to the depth these heads can fill.
-            fallback = tuple(p for p in MEDUSA_DEFAULT if len(p) <= heads.config.num_heads)
-            default = _tuned_tree(heads, fallback)
-            self.drafter = MedusaDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device),
-                                         threshold=_tuned(heads, threshold, "threshold"), gate=_tuned(heads, gate, "gate"),
-                                         lookup=_tuned(heads, lookup, "lookup", int))
+            paths = parse_tree(st.tree, default=())
+            if st.tree is DRAFTER_SETTINGS["medusa"].tree:   # the default tree, cut to the depth these heads fill
+                paths = tuple(p for p in paths if len(p) <= heads.config.num_heads)
+            self.drafter = MedusaDrafter(self.backbone, heads, build_tree(paths, device), threshold=st.threshold,
+                                         gate=st.gate, lookup=st.lookup)
         elif drafter_name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
                 raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
-            default = _tuned_tree(heads, parse_tree(DEFAULT_EARLY_EXIT_TREE, default=chain(4)))
-            self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(tree, default=default), device),
-                                            threshold=_tuned(heads, threshold, "threshold"))
+            self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(st.tree, default=()), device),
+                                            threshold=st.threshold)
         elif drafter_name == "eagle":
-            spec = tree if tree not in ("auto", None) else (heads.config.extra or {}).get("tree", DEFAULT_EAGLE_TREE)
-            self.drafter = EagleDrafter(self.backbone, heads, **parse_dynamic_tree(spec),
-                                        threshold=_tuned(heads, threshold, "threshold"),
-                                        lookup=_tuned(heads, lookup, "lookup", int))
+            self.drafter = EagleDrafter(self.backbone, heads, **parse_dynamic_tree(st.tree), threshold=st.threshold,
+                                        lookup=st.lookup)
         else:
-            default = parse_tree(DEFAULT_DRAFT_MODEL_TREE, default=chain(4))
-            self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(tree, default=default), device),
+            self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
                                              vocab_size=self.backbone.vocab_size)
 
     # ------------------------------------------------------------------ construction
@@ -215,7 +145,7 @@ class SelfSpeculativeModel:
         check_model_name(name_or_path)
         if drafter == "auto":
             drafter = default_drafter(name_or_path)
-        check_decoding_options(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
+        check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         if drafter not in HEADS_DRAFTERS + ("draft-model",) and (heads is not None or draft_model is not None):
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
         if heads is None and drafter in HEADS_DRAFTERS:
@@ -304,7 +234,7 @@ class SelfSpeculativeModel:
 
         gc = generation_config if generation_config is not None else self.model.generation_config
         pick = lambda given, attr, default: given if given is not None else (getattr(gc, attr, None) if getattr(gc, attr, None) is not None else default)  # noqa: E731
-        max_new = pick(max_new_tokens, "max_new_tokens", 20)
+        max_new = pick(max_new_tokens, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if int(max_new) < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new})")
         sampling = bool(pick(do_sample, "do_sample", False))

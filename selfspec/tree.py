@@ -181,17 +181,6 @@ def prune(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -
     return tuple(p for i, p in enumerate(tree.paths, start=1) if keep[i])
 
 
-# Medusa-style sparse tree for 4 heads: wide near the root where heads are accurate, thin deeper.
-# 15 candidate nodes + root = 16, which the measured forward-cost curve (DESIGN.md) prices at
-# ~1.9 plain steps on the 2-core CPU; tune with `selfspec bench` after training.
-MEDUSA_DEFAULT: tuple[Path, ...] = (
-    (0,), (1,), (2,), (3,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
-    (0, 0, 0, 0),
-)
-
-
 def tree_from_rank_accuracy(acc: tuple[tuple[float, ...], ...], size: int) -> tuple[Path, ...]:
     """The ``size`` candidate nodes with the highest estimated probability of being accepted.
 

@@ -118,6 +118,7 @@ CASES = [
     ("gen-data-non-empty-out", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {d}/full"),
     # train-heads / train-draft
     ("train-heads-steps-zero", "train-heads --model {d}/tiny --data {d}/data --out {o} --steps 0"),
+    ("train-heads-unknown-mixed-precision", "train-heads --model {d}/tiny --data {d}/data --out {o} --mixed-precision fp8"),
     ("train-heads-negative-lr", "train-heads --model {d}/tiny --data {d}/data --out {o} --lr -0.001"),
     ("train-heads-existing-run", "train-heads --model {d}/tiny --data {d}/data --out {d}/run"),
     ("train-heads-non-empty-out", "train-heads --model {d}/tiny --data {d}/data --out {d}/full"),

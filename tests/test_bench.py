@@ -90,6 +90,9 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
     assert results[BASELINE]["speedup"] == pytest.approx(1.0) and results[BASELINE]["tau"] == 1.0
     assert results["selfspec-medusa"]["tau"] >= 1.0 and len(results["selfspec-medusa"]["acceptance_by_depth"]) == 4
     assert 0 <= results["selfspec-early-exit"]["draft_share"] <= 1
+    # The "-heads" variants run the same heads and tree with the context lookup off.
+    assert notes["medusa_heads_lookup"] == 0 and notes["eagle_heads_lookup"] == 0
+    assert notes["medusa_heads_tree"] == notes["medusa_tree"] and notes["eagle_heads_tree"] == notes["eagle_tree"]
     result = {"config": {"model": "tiny", "device": "cpu", "dtype": "float32", "threads": 1, "prompts": "mem",
                          "n_prompts": 4, "limit": None, "max_new_tokens": 12, "temperature": 0.0}, "methods": results}
     write_report(result, tmp_path / "out")

@@ -79,7 +79,7 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
         warnings.simplefilter("error")            # no "untrained heads" warning
         sm = SelfSpeculativeModel.from_pretrained("smollm2-135m")
     assert sm.drafter_name == default_drafter("smollm2-135m") and sm.heads is not None
-    assert sm.heads.config.extra.get("steps", 0) > 0
+    assert sm.heads.config.provenance.get("steps", 0) > 0
     ids, ref = references[0]
     assert torch.equal(sm.generate(ids, max_new_tokens=N_NEW), ref)
 

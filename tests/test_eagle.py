@@ -88,7 +88,8 @@ def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(final
     heads = untrained_heads("eagle", model, "tiny", aux_layers=[1, N] if final_layer else None)
     ids = _prompt(model.config.vocab_size, 3)
     reference = hf_greedy(model, ids, 60)[0].tolist()
-    drafter = GraftingEagle(bb, heads, depth=3, expand=2, nodes=4, reference=reference)
+    # float32 drafting, compared with a float32 fresh run (the CPU default may draft in bfloat16).
+    drafter = GraftingEagle(bb, heads, depth=3, expand=2, nodes=4, reference=reference, dtype=torch.float32)
     seen, checks = set(), 0
     original_commit = drafter.commit
 
@@ -341,6 +342,26 @@ def test_eval_heads_scores_an_eagle_head_per_draft_step(one_thread):
     with torch.no_grad():
         r = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
     assert [round(a[0], 5) for a in acc] == [round(float(t), 5) for t in r.top1]
+
+
+def test_ttt_loss_runs_under_bf16_autocast_and_agrees_with_float32(one_thread):
+    """The loss as mixed-precision training computes it (bf16 autocast: CUDA by default, CPUs with
+    --mixed-precision bf16). Masks must fill in the scores' own dtype, not q's."""
+    from selfspec.training.tasks.eagle import ttt_loss
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    g = torch.Generator().manual_seed(2)
+    seqs = [Sequence(ids=torch.randint(3, 97, (14,), generator=g), response_start=5) for _ in range(3)]
+    ids, am, rows = pad_batch(seqs)
+    aux, teacher = target_pass(bb, ids, am, aux_layers=heads.config.aux_layers, lm_weight=bb.lm_head.weight)
+    ref = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
+    low.loss.backward()
+    assert heads.module.fc.weight.grad is not None and torch.isfinite(heads.module.fc.weight.grad).all()
+    assert abs(float(low.loss) - float(ref.loss)) < 0.05 * abs(float(ref.loss)) + 1e-3
 
 
 def test_warm_start_may_add_aux_layers_without_changing_predictions(one_thread):

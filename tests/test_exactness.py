@@ -13,7 +13,8 @@ from selfspec.drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter
 from selfspec.drafters.base import DecodeState, Draft, Drafter
 from selfspec.model import untrained_heads
 from selfspec.sampling import SamplingParams
-from selfspec.tree import MEDUSA_DEFAULT, build_tree, chain, chain_with_siblings
+from selfspec.settings import MEDUSA_DEFAULT
+from selfspec.tree import build_tree, chain, chain_with_siblings
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
 GREEDY = SamplingParams()
@@ -91,7 +92,7 @@ def test_untrained_drafters_match_plain_greedy(arch):
         ref = hf_greedy(model, ids, N_NEW)
         drafters = [
             NoDrafter(bb.device),
-            MedusaDrafter(bb, untrained_heads("medusa", model, "t"), build_tree(MEDUSA_DEFAULT)),
+            MedusaDrafter(bb, untrained_heads("medusa", model, "t", token_input=False), build_tree(MEDUSA_DEFAULT)),
             MedusaDrafter(bb, _noisy(untrained_heads("medusa", model, "t", token_input=True)), build_tree(MEDUSA_DEFAULT)),
             EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=2), build_tree(chain(4))),
             EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=1),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import distill_dataset, hf_greedy, tiny_model
@@ -10,6 +12,7 @@ from torch.nn import functional as F
 from selfspec.backbone import config_fingerprint
 from selfspec.heads import load_heads
 from selfspec.model import SelfSpeculativeModel
+from selfspec.settings import DecodeSettings
 from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
 from selfspec.training.checkpoint import STATE_FILE
 from selfspec.training.split import collate, frequent_vocab, to_sequences
@@ -180,7 +183,7 @@ def test_checkpoint_is_atomic_and_resume_matches_uninterrupted(tmp_path):
     state = torch.load(tmp_path / "b" / STATE_FILE, weights_only=True)
     assert state["step"] == 2 and state["optimizer"]["state"]  # Adam moments were saved
     fp = config_fingerprint(model.config)
-    assert load_heads(tmp_path / "b", expect_kind="medusa", fingerprint=fp).config.extra["steps"] == 2
+    assert load_heads(tmp_path / "b", expect_kind="medusa", fingerprint=fp).config.provenance["steps"] == 2
     assert not list((tmp_path / "b").glob("*.tmp"))
 
     with pytest.raises(ValueError, match="--resume"):
@@ -192,7 +195,7 @@ def test_checkpoint_is_atomic_and_resume_matches_uninterrupted(tmp_path):
     # Same weights only if the optimizer moments, schedule and batch order all carried over.
     for (k, va), vb in zip(a.module.state_dict().items(), b.module.state_dict().values()):
         torch.testing.assert_close(va, vb, msg=k)
-    assert torch.equal(a.draft_vocab, b.draft_vocab) and a.config.extra["steps"] == 4
+    assert torch.equal(a.draft_vocab, b.draft_vocab) and a.config.provenance["steps"] == 4
 
 
 def test_lora_medusa2_trains_saves_adapter_and_leaves_the_callers_model_alone(tmp_path):
@@ -240,7 +243,7 @@ def test_end_to_end_trained_heads_learn_and_stay_exact(tmp_path, kind, adapter):
     heads = load_heads(cfg.out, expect_kind=kind, fingerprint=config_fingerprint(model.config), model=model)
     assert heads.config.adapter == adapter
     assert heads.draft_vocab.numel() == 48 and heads.config.draft_vocab_size == 48
-    assert heads.config.extra["steps"] == 30 and heads.config.extra["tokens_seen"] > 0
+    assert heads.config.provenance["steps"] == 30 and heads.config.provenance["tokens_seen"] > 0
     sm = SelfSpeculativeModel(model, None, drafter_name=kind, heads=heads, tree="auto", name="tiny")
     for i in range(3):
         prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(100 + i))
@@ -271,10 +274,8 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
             assert c.nodes_per_step >= (0 if c.gate else c.size)
         else:
             assert 0 <= c.nodes_per_step <= c.size and (c.gate > 0 or c.nodes_per_step == c.size)
-    heads.config.extra["tree"] = [list(p) for p in best.spec]
-    heads.config.extra["threshold"] = best.threshold
-    heads.config.extra["gate"] = best.gate
-    heads.config.extra["lookup"] = best.lookup
+    heads.config.decode = DecodeSettings(tree=[list(p) for p in best.spec], threshold=best.threshold, gate=best.gate,
+                                         lookup=best.lookup)
     save_heads(heads, cfg.out)
     tuned = load_heads(cfg.out, expect_kind="medusa", fingerprint=fp)
     sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, tree="auto", name="tiny")
@@ -309,16 +310,24 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     heads = untrained_heads("medusa", model, "tiny", num_heads=2)
     rows = lambda spec, speedup, n: {"spec": spec, "size": len(spec), "tokens_per_s": speedup, "tau": 1.5,  # noqa: E731
                                      "threshold": 0.0, "gate": 0.0, "lookup": 8, "nodes_per_step": n, "speedup": speedup}
-    heads.config.extra = {"tree_search": {"held_out_prompts": 8, "candidates": [
-        rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0)]}}
     save_heads(heads, tmp_path / "h")
+    # Heads tuned before the decode/provenance split kept everything, timings included, under "extra".
+    cfg_path = tmp_path / "h" / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    for key in ("decode", "provenance"):
+        raw.pop(key)
+    raw["extra"] = {"steps": 7, "tree_search": {"held_out_prompts": 8, "candidates": [
+        rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0)]}}
+    cfg_path.write_text(json.dumps(raw))
     before = (tmp_path / "h" / "model.safetensors").read_bytes()
     assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded"]) == 0
     fp = config_fingerprint(model.config)
-    extra = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.extra
-    assert extra["tree"] == [[0], [0, 0]] and extra["lookup"] == 8 and extra["tree_search"]["tolerance"] == 0.05
+    config = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config
+    assert config.decode.tree == [[0], [0, 0]] and config.decode.lookup == 8 and config.provenance == {"steps": 7}
+    assert "extra" not in json.loads(cfg_path.read_text())
+    assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tolerance"] == 0.05
     assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0"]) == 0
-    assert load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.extra["tree"][-1] == [0, 0, 0]
+    assert load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.decode.tree[-1] == [0, 0, 0]
     assert (tmp_path / "h" / "model.safetensors").read_bytes() == before   # only the choice changes
     capsys.readouterr()
     empty = untrained_heads("medusa", model, "tiny", num_heads=2)
@@ -530,7 +539,7 @@ def test_held_out_split_ignores_data_appended_after_training(tmp_path):
     model, data, cfg, answer = _grown_data_run(tmp_path, n_rows=30, first=20, steps=2, draft_vocab_size=0,
                                              eval_fraction=0.25)
     heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=config_fingerprint(model.config))
-    assert heads.config.extra["sequences"] == 20
+    assert heads.config.provenance["sequences"] == 20
     before = [s.ids.tolist() for s in heldout_sequences(str(data), heads)]
     assert len(before) == 5
     # The directory grows (gen-data resumed with more prompts): the held-out split must not move.
@@ -561,7 +570,7 @@ def test_held_out_split_over_several_directories_is_pinned_per_directory(tmp_pat
     train_heads(model, load_distillation_data(spec), config=cfg, name="tiny", data_dir=spec, data_rows=row_counts(spec),
                 progress=False)
     heads = load_heads(cfg.out, expect_kind="medusa", fingerprint=config_fingerprint(model.config))
-    assert heads.config.extra["rows"] == [12, 8] and heads.config.extra["data"] == spec
+    assert heads.config.provenance["rows"] == [12, 8] and heads.config.provenance["data"] == spec
     before = [s.ids.tolist() for s in heldout_sequences(spec, heads)]
     assert len(before) == 5
     # The first directory grows: rows appended to it must not shift the second's rows into the split.
@@ -602,7 +611,7 @@ def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_pat
     with pytest.raises(ValueError, match="num_heads 2 \\(this run: 3\\)"):
         train_heads(model, ds, config=_cfg(tmp_path, "bad", num_heads=3, init=first.out), name="tiny",
                     data_dir=str(data), progress=False)
-    assert heads.config.extra["init"]["path"] == first.out and heads.config.extra["init"]["steps"] == 3
+    assert heads.config.provenance["init"]["path"] == first.out and heads.config.provenance["init"]["steps"] == 3
 
 
 def test_head_mlp_grows_trained_heads_without_changing_them_then_trains(tmp_path):
@@ -612,7 +621,7 @@ def test_head_mlp_grows_trained_heads_without_changing_them_then_trains(tmp_path
     ds, d = answer(), str(data)
     fp = config_fingerprint(model.config)
     init = load_heads(first.out, expect_kind="medusa", fingerprint=fp)
-    start = float(init.config.extra["eval"]["loss"])
+    start = float(init.config.provenance["eval"]["loss"])
 
     same = _cfg(tmp_path, "same", steps=1, lr=0.0, draft_vocab_size=16, head_mlp="16", init=first.out)
     train_heads(model, ds, config=same, name="tiny", data_dir=d, progress=False)
@@ -639,3 +648,12 @@ def test_head_mlp_grows_trained_heads_without_changing_them_then_trains(tmp_path
         train_heads(model, ds, config=_cfg(tmp_path, "bad2", head_mlp="wide"), name="tiny", data_dir=d, progress=False)
     with pytest.raises(ValueError, match="--head-mlp widens Medusa heads"):
         train_heads(model, ds, config=_cfg(tmp_path, "bad3", kind="early-exit", head_mlp="8"), name="tiny", data_dir=d, progress=False)
+
+
+def test_held_out_rows_are_recorded_as_a_compact_string():
+    from selfspec.training.split import decode_rows, encode_rows
+
+    rows = [0, 1, 2, 5, 9, 10, 11, 40]
+    assert encode_rows(rows) == "0-2,5,9-11,40" and decode_rows("0-2,5,9-11,40") == rows
+    assert encode_rows([]) == "" and decode_rows("") == [] and decode_rows(None) is None
+    assert decode_rows([3, 4]) == [3, 4]   # configs written before the string form hold a plain list

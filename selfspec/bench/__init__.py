@@ -12,7 +12,7 @@ import torch
 from ..heads import read_heads_config
 from ..io import prompt_ids
 from ..loading import check_model_name, load_model
-from ..model import check_decoding_options
+from ..settings import DEFAULT_MAX_NEW_TOKENS, check_settings
 from ..shipped import shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, load_prompts, run_bench
@@ -23,7 +23,9 @@ from .report import decoding_mode, markdown, write_report
 _SELFSPEC_FLAGS = {
     "selfspec-medusa": ("medusa", "medusa_heads", "medusa_tree", "medusa_threshold", "medusa_gate", "medusa_lookup"),
     "selfspec-early-exit": ("early-exit", "exit_heads", "exit_tree", "exit_threshold", None, None),
+    "selfspec-medusa-heads": ("medusa", "medusa_heads", "medusa_tree", "medusa_threshold", "medusa_gate", None),
     "selfspec-eagle": ("eagle", "eagle_heads", "eagle_tree", "eagle_threshold", None, "eagle_lookup"),
+    "selfspec-eagle-heads": ("eagle", "eagle_heads", "eagle_tree", "eagle_threshold", None, None),
     "selfspec-draft-model": ("draft-model", None, "draft_tree", None, None, None),
 }
 
@@ -33,7 +35,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--prompts", required=True, help="JSONL with \"prompt\" and optional \"category\"")
     p.add_argument("--limit", type=int, default=None, help="first N prompts")
     p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts (with --seed), in file order")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--methods", default="all",
                    help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())})")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -84,7 +86,7 @@ def _check_selfspec_flags(args, names: list[str]) -> None:
             continue
         drafter, heads, tree, threshold, gate, lookup = _SELFSPEC_FLAGS[name]
         value = lambda flag: "auto" if flag is None else getattr(args, flag)  # noqa: E731
-        check_decoding_options(drafter, tree=value(tree), threshold=value(threshold), gate=value(gate), lookup=value(lookup))
+        check_settings(drafter, tree=value(tree), threshold=value(threshold), gate=value(gate), lookup=value(lookup))
         if heads is not None and getattr(args, heads) is not None:
             read_heads_config(getattr(args, heads), expect_kind=drafter)
     if {"hf-assisted", "selfspec-draft-model"} & set(names):

@@ -29,8 +29,9 @@ BASELINE = "hf-generate"
 # Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.
 ALIASES = {"hf-greedy": BASELINE}
 ALL_METHODS = (BASELINE, "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
-               "selfspec-ar", "selfspec-lookup", "selfspec-early-exit", "selfspec-medusa", "selfspec-eagle",
-               "selfspec-draft-model")
+               "selfspec-ar", "selfspec-lookup", "selfspec-early-exit", "selfspec-medusa", "selfspec-medusa-heads",
+               "selfspec-eagle", "selfspec-eagle-heads", "selfspec-draft-model")
+# "-heads": the same heads and tree with the context lookup off (what the heads draft on their own).
 TIE_MARGIN = 1e-3
 
 

@@ -9,6 +9,7 @@ import torch
 from ..backbone import config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
+from ..settings import default_exit_layer
 from .harness import ALIASES, ALL_METHODS, BASELINE, Method
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -92,14 +93,14 @@ def build_methods(
     def spec(drafter, **kw):
         return SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name, **kw)
 
-    methods = []
+    methods, loaded_heads = [], {}   # heads loaded once per kind, shared by a method and its "-heads" variant
     for name in names:
         if name == BASELINE:
             fn = hf()
         elif name == "hf-assisted":
             fn = hf(assistant_model=draft_model)
         elif name == "hf-early-exit":
-            fn = hf(assistant_early_exit=n_layers // 2)
+            fn = hf(assistant_early_exit=default_exit_layer(n_layers))
         elif name == "hf-prompt-lookup":
             fn = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
         elif name == "selfspec-ar":
@@ -108,25 +109,32 @@ def build_methods(
             sm = spec("lookup", heads=None, tree="auto")
             notes["lookup"] = sm.drafter.lookup
             fn = ours(sm)
-        elif name in ("selfspec-medusa", "selfspec-early-exit"):
-            kind = name.removeprefix("selfspec-")
+        elif name in ("selfspec-medusa", "selfspec-medusa-heads", "selfspec-early-exit"):
+            kind = name.removeprefix("selfspec-").removesuffix("-heads")
             medusa = kind == "medusa"
-            sm = spec(kind, heads=heads_for(kind, medusa_heads if medusa else exit_heads),
+            if medusa and kind not in loaded_heads:
+                loaded_heads[kind] = heads_for(kind, medusa_heads)
+            sm = spec(kind, heads=loaded_heads[kind] if medusa else heads_for(kind, exit_heads),
                       tree=medusa_tree if medusa else exit_tree,
                       threshold=medusa_threshold if medusa else exit_threshold,
-                      gate=medusa_gate if medusa else "auto", lookup=medusa_lookup if medusa else "auto")
-            notes[f"{kind}_tree"] = [list(p) for p in sm.drafter.tree.paths]
-            notes[f"{kind}_threshold"] = sm.drafter.threshold
+                      gate=medusa_gate if medusa else "auto",
+                      lookup=(0 if name.endswith("-heads") else medusa_lookup) if medusa else "auto")
+            key = name.removeprefix("selfspec-").replace("-", "_")
+            notes[f"{key}_tree"] = [list(p) for p in sm.drafter.tree.paths]
+            notes[f"{key}_threshold"] = sm.drafter.threshold
             if medusa:
-                notes["medusa_gate"] = sm.drafter.gate
-                notes["medusa_lookup"] = sm.drafter.lookup
+                notes[f"{key}_gate"] = sm.drafter.gate
+                notes[f"{key}_lookup"] = sm.drafter.lookup
             fn = ours(sm)
-        elif name == "selfspec-eagle":
-            sm = spec("eagle", heads=heads_for("eagle", eagle_heads), tree=eagle_tree, threshold=eagle_threshold,
-                      lookup=eagle_lookup)
+        elif name in ("selfspec-eagle", "selfspec-eagle-heads"):
+            if "eagle" not in loaded_heads:
+                loaded_heads["eagle"] = heads_for("eagle", eagle_heads)
+            sm = spec("eagle", heads=loaded_heads["eagle"], tree=eagle_tree, threshold=eagle_threshold,
+                      lookup=0 if name.endswith("-heads") else eagle_lookup)
             d = sm.drafter
-            notes["eagle_tree"] = f"dynamic-{d.depth}-{d.expand}-{d.nodes}"
-            notes["eagle_threshold"], notes["eagle_lookup"] = d.threshold, d.lookup
+            key = name.removeprefix("selfspec-").replace("-", "_")
+            notes[f"{key}_tree"] = f"dynamic-{d.depth}-{d.expand}-{d.nodes}"
+            notes[f"{key}_threshold"], notes[f"{key}_lookup"] = d.threshold, d.lookup
             fn = ours(sm)
         else:
             fn = ours(spec("draft-model", heads=None, tree=draft_tree, draft_model=draft_model))

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..settings import DEFAULT_LOOKUP
 from ..tree import Path, Tree, build_tree
 from .base import DecodeState, Draft, Drafter, check_lookup
 
 MAX_NGRAM = 3   # longest suffix looked up first, down to
 MIN_NGRAM = 2   # a single repeated token is too weak a cue: most of its continuations are wrong
-DEFAULT_LOOKUP = 8   # tokens copied per step when nothing was tuned (tune-tree chose 8 for the demo's heads)
 
 
 def context_continuation(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:

@@ -176,7 +176,7 @@ class EagleHead(nn.Module):
         scores = [torch.matmul(q, k0.transpose(-1, -2)) * self.scale]                  # (B, nh, L, L)
         idx = torch.arange(L, device=q.device)
         visible = idx[None, :] <= (idx[:, None] - j)                                    # key s <= i - j
-        scores[0] = scores[0].masked_fill(~visible, torch.finfo(q.dtype).min)
+        scores[0] = scores[0].masked_fill(~visible, torch.finfo(scores[0].dtype).min)
         shifted_v = []
         for m in range(1, j + 1):
             # Slot i meets step m's key at slot i - (j - m): shift step m's keys/values right by j - m.
@@ -187,7 +187,7 @@ class EagleHead(nn.Module):
                 vm = F.pad(vm, (0, 0, s, 0))[:, :, :L]
             d = (q * km).sum(-1, keepdim=True) * self.scale                           # (B, nh, L, 1)
             if s:
-                d = d.masked_fill((idx < s)[None, None, :, None], torch.finfo(q.dtype).min)
+                d = d.masked_fill((idx < s)[None, None, :, None], torch.finfo(d.dtype).min)
             scores.append(d)
             shifted_v.append(vm)
         probs = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)

@@ -139,4 +139,6 @@ def check_training_config(config, *, resume: bool) -> None:
     at_least(getattr(config, "exit_layer", None), 1, "exit_layer")
     if getattr(config, "kind", None) == "medusa":
         at_least(config.num_heads, 1, "num_heads")
+    if getattr(config, "mixed_precision", "auto") not in ("auto", "no", "bf16"):
+        raise ValueError(f"--mixed-precision {config.mixed_precision!r}: use auto, no or bf16")
     check_output_dir(config.out, resume=resume, allowed=TRAINING_OUTPUTS)

@@ -35,6 +35,7 @@ from ..backbone import config_fingerprint
 from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
 from .checkpoint import STATE_FILE, check_resumable
 from .cli_args import at_least, check_training_config, flag_type, run_module
+from ..settings import default_exit_layer
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator
 from .split import frequent_vocab, split_eval, to_sequences
@@ -119,7 +120,7 @@ def train_draft(
     target = target_view(model, vocab=vocab, exit_layer=None)
     features = None
     if config.cache_features:  # train-heads' cache (same key: exit layer N // 2), so the two share one pass
-        features = extract_features(model, seqs, exit_layer=model.config.num_hidden_layers // 2, batch_size=config.batch_size,
+        features = extract_features(model, seqs, exit_layer=default_exit_layer(model.config.num_hidden_layers), batch_size=config.batch_size,
                                     device=device, dtype=config.feature_dtype, progress=progress and accelerator.is_main_process)
     task = DraftTask(config, target=target, device=device, layers=layers, base_model=name, base_fingerprint=fingerprint,
                      vocab=vocab, tokenizer=tokenizer)

@@ -223,7 +223,7 @@ def run_eval_heads(args: argparse.Namespace) -> int:
         return _report(r, args, data=None, name=lambda k: "draft (next token)")
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
                        device=w.device, dtype=w.dtype, model=loaded.model)
-    data = args.data or (heads.config.extra or {}).get("data")
+    data = args.data or heads.config.provenance.get("data")
     held = (heldout_sequences(data, heads) if data and data != "none" and all(d.is_dir() for d in data_dirs(data))
             else None)
     r = eval_heads(loaded.model, loaded.tokenizer, heads, prompts, max_new_tokens=args.max_new_tokens,

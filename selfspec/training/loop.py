@@ -155,13 +155,24 @@ def optimizer_loop(
     return TrainResult(out=str(out), step=state.step, tokens_seen=state.tokens_seen, wall_s=wall(), evals=state.evals)
 
 
-def make_accelerator(model, *, grad_accum: int):
-    """bf16 autocast on CUDA, plain float32 on CPU; gradient accumulation over ``grad_accum`` micro-batches."""
+MIXED_PRECISION = ("auto", "no", "bf16")
+
+
+def resolve_mixed_precision(mode: str, device_type: str) -> str:
+    """``auto``: bf16 autocast on CUDA, none on CPU (where bf16 pays only with AVX512-BF16 or AMX)."""
+    if mode not in MIXED_PRECISION:
+        raise ValueError(f"unknown mixed precision {mode!r}: use {', '.join(MIXED_PRECISION)}")
+    return ("bf16" if device_type == "cuda" else "no") if mode == "auto" else mode
+
+
+def make_accelerator(model, *, grad_accum: int, mixed_precision: str = "auto"):
+    """Autocast per ``mixed_precision`` (float32 master weights either way); gradient accumulation
+    over ``grad_accum`` micro-batches."""
     from accelerate import Accelerator
 
     use_cuda = next(model.parameters()).device.type == "cuda"
-    return Accelerator(mixed_precision="bf16" if use_cuda else "no", gradient_accumulation_steps=grad_accum,
-                       cpu=not use_cuda)
+    mode = resolve_mixed_precision(mixed_precision, "cuda" if use_cuda else "cpu")
+    return Accelerator(mixed_precision=mode, gradient_accumulation_steps=grad_accum, cpu=not use_cuda)
 
 
 def fit(

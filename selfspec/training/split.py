@@ -86,28 +86,52 @@ def recorded_split(data_dir: str, heads: Heads) -> tuple[list[Sequence], list[Se
     """
     from .data import load_distillation_data
 
-    extra = heads.config.extra or {}
-    tc = extra.get("train_config") or {}
-    rows = extra.get("rows")
+    prov = heads.config.provenance
+    tc = prov.get("train_config") or {}
+    rows = prov.get("rows")
     seqs = to_sequences(load_distillation_data(data_dir, rows=rows), max_len=tc.get("max_len", 1024))
     if rows is None:
-        n = extra.get("sequences", len(seqs))
+        n = prov.get("sequences", len(seqs))
         if n > len(seqs):
             raise ValueError(f"the heads were trained on {n} sequences but {data_dir} holds {len(seqs)}: "
                              "pass the data directory they were trained on")
         seqs = seqs[:n]
-    held = extra.get("held_out_rows")
+    held = decode_rows(prov.get("held_out_rows"))
     if held is None:
         _, held = split_eval(len(seqs), fraction=tc.get("eval_fraction", 0.05), seed=tc.get("seed", 0))
     held_set = set(held)
     return [s for i, s in enumerate(seqs) if i not in held_set], [seqs[i] for i in held]
 
 
+def encode_rows(rows: list[int]) -> str:
+    """Row indices as one compact string for a config: runs of consecutive rows as "a-b" ("3,17,22-25")."""
+    out, rows = [], sorted(rows)
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+            j += 1
+        out.append(str(rows[i]) if i == j else f"{rows[i]}-{rows[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def decode_rows(value) -> list[int] | None:
+    """:func:`encode_rows`'s string (or the plain list older configs hold) -> sorted row indices."""
+    if value is None or isinstance(value, list):
+        return value
+    rows = []
+    for part in filter(None, str(value).split(",")):
+        lo, _, hi = part.partition("-")
+        rows.extend(range(int(lo), int(hi or lo) + 1))
+    return rows
+
+
 def warm_split(seqs: list[Sequence], eval_idx: list[int], init: Heads) -> tuple[list[int], list[int]]:
     """(train, eval) indices for a run warm-started from ``init``: whatever ``init`` held out stays held
     out, and whatever it trained on is never scored as held-out. Sequences are matched by content,
     so the init's data may sit anywhere in this run's (larger) data."""
-    data = (init.config.extra or {}).get("data")
+    data = init.config.provenance.get("data")
     if not data:
         raise ValueError("the --init heads do not record their training data, so their held-out split cannot be kept: "
                          "train from scratch instead")

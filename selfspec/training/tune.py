@@ -9,8 +9,9 @@ Some trees are also timed cut by confidence (``tree.prune``): early exit with a 
 (the chain stops where its draft path probability falls below it), Medusa with a gate (a step
 whose tree the heads expect fewer than ``gate`` tokens accepted from proposes nothing), and
 Medusa trees with context lookup (``lookup``: tokens copied from the context grafted on). The
-winner goes into the heads' ``config.extra`` ``tree`` / ``threshold`` / ``gate`` / ``lookup``,
-which the "auto" settings use.
+winner goes into the ``decode`` section of the heads' ``config.json`` (``tree`` / ``threshold`` /
+``gate`` / ``lookup``, which the "auto" settings use), and every timed candidate into
+``tune-tree.json`` beside it (what ``--recorded`` re-picks from).
 
 Held-out prompts are the training run's own eval split (same data directory, seed and
 fraction as recorded in the heads), so nothing is tuned on the evaluation prompts.
@@ -33,8 +34,10 @@ from ..decode import decode
 from ..drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..drafters.eagle import parse_dynamic_tree
 from ..heads import Heads, load_heads, read_heads_config, save_heads, write_heads_config
+from ..io import atomic_write_text
 from ..loading import check_model_name, load_model
 from ..sampling import SamplingParams
+from ..settings import DecodeSettings
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, in_unit_interval
 from .data import read_meta
@@ -251,16 +254,33 @@ def run_tune(args) -> int:
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
-    heads.config.extra = {**(heads.config.extra or {}), **_choice(best, search, args.tolerance)}
+    heads.config.decode = _choice(best)
+    heads.config.provenance.pop("tree_search", None)
     save_heads(heads, args.heads)
+    _write_search(args.heads, {**search, "tolerance": args.tolerance})
     return _report_choice(args.heads, best)
 
 
-def _choice(best: Candidate, search: dict, tolerance: float) -> dict:
-    """What "auto" reads from the heads' config.extra: the chosen settings and the search behind them."""
-    return {"tree": best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec],
-            "threshold": best.threshold, "gate": best.gate, "lookup": best.lookup,
-            "tree_search": {**search, "tolerance": tolerance}}
+SEARCH_FILE = "tune-tree.json"
+
+
+def _choice(best: Candidate) -> DecodeSettings:
+    """What "auto" reads: the heads' ``decode`` section."""
+    return DecodeSettings(tree=best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec],
+                          threshold=best.threshold, gate=best.gate, lookup=best.lookup)
+
+
+def _write_search(heads_dir, search: dict) -> None:
+    atomic_write_text(Path(heads_dir) / SEARCH_FILE, json.dumps(search, indent=1))
+
+
+def recorded_search(heads_dir) -> dict | None:
+    """The candidates the last tune-tree run timed for these heads (heads tuned before selfspec 0.2
+    keep them in their provenance), or None."""
+    path = Path(heads_dir) / SEARCH_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    return read_heads_config(heads_dir).provenance.get("tree_search")
 
 
 def _report_choice(path: str, best: Candidate) -> int:
@@ -271,12 +291,9 @@ def _report_choice(path: str, best: Candidate) -> int:
 
 
 def _repick(args) -> int:
-    """--recorded: apply ``pick`` again to the candidates the last tune-tree run timed (config.json only)."""
-    cfg_path = Path(args.heads) / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"{args.heads} is not a heads directory")
-    raw = json.loads(cfg_path.read_text())
-    search = (raw.get("extra") or {}).get("tree_search")
+    """--recorded: apply ``pick`` again to the candidates the last tune-tree run timed (no weights rewritten)."""
+    heads = read_heads_config(args.heads)
+    search = recorded_search(args.heads)
     if not search or not search.get("candidates"):
         raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
     fields = set(Candidate.__dataclass_fields__)
@@ -284,6 +301,8 @@ def _repick(args) -> int:
                           "spec": c["spec"] if isinstance(c["spec"], str) else tuple(tuple(p) for p in c["spec"])})
              for c in search["candidates"]]
     best = pick(cands, tolerance=args.tolerance)
-    raw["extra"] = {**raw["extra"], **_choice(best, search, args.tolerance)}
-    write_heads_config(cfg_path.parent, raw)
+    heads.decode = _choice(best)
+    heads.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
+    write_heads_config(args.heads, asdict(heads))
+    _write_search(args.heads, {**search, "tolerance": args.tolerance})
     return _report_choice(args.heads, best)

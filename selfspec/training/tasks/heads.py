@@ -155,7 +155,7 @@ class HeadsTask(Task):
         return entries
 
     def save(self, module, out: Path, *, record: dict) -> None:
-        self.heads.config.extra = record
+        self.heads.config.provenance = record
         save_heads(Heads(config=self.heads.config, module=module, draft_vocab=self.heads.draft_vocab), out)
         if self.lora is not None:
             atomic_save_adapter(self.lora, out / "lora")

@@ -1,0 +1,168 @@
+"""Every decoding default in one place, and each drafter's per-step settings as a typed, checked config.
+
+``DRAFTER_SETTINGS`` declares, per drafter, which per-step settings it takes (tree, threshold,
+gate, lookup) and their defaults; a setting a drafter does not take is None there, and giving it
+is refused with one line. "auto" means: the value ``selfspec tune-tree`` measured fastest for the
+heads in use (the ``decode`` section of their ``config.json``, a ``DecodeSettings``), else the
+drafter's default. ``from_pretrained``, ``selfspec generate`` and ``selfspec bench`` all check and
+resolve settings through :func:`check_settings` and :func:`resolve_settings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+DEFAULT_MAX_NEW_TOKENS = 128     # generate(), `selfspec generate` and `selfspec bench` alike
+DEFAULT_NUM_HEADS = 4            # Medusa heads
+DEFAULT_TOKEN_INPUT = True       # Medusa heads also read the root token's embedding (known when drafting)
+DEFAULT_LOOKUP = 8               # context tokens the lookup drafter copies per step (tune-tree chose 8 for the demo's heads)
+DEFAULT_EAGLE_TREE = "dynamic-5-4-8"   # depth 5, expand 4, keep 8 nodes (before tune-tree measures better)
+DEFAULT_CHAIN_TREE = "chain-4"   # early exit and the draft model: a chain of 4
+# Medusa's sparse tree for 4 heads (paths of candidate ranks): wide near the root where heads are
+# accurate, thin deeper; 15 nodes. `selfspec tune-tree` replaces it with what measures fastest.
+MEDUSA_DEFAULT: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0),
+)
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """Where early exit leaves the target when no layer is given: halfway (LayerSkip's and Draft & Verify's choice)."""
+    return num_layers // 2
+
+
+AUTO = ("auto", None)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """The ``decode`` section of a heads directory's ``config.json``: per-step settings measured
+    fastest for these heads by ``selfspec tune-tree`` (all off until it has run)."""
+
+    tree: str | list | None = None    # a tree spec ("chain-3", "dynamic-4-2-4", a list of paths); None: the drafter's default
+    threshold: float = 0.0
+    gate: float = 0.0
+    lookup: int = 0
+
+    @classmethod
+    def from_json(cls, raw) -> "DecodeSettings":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict) or set(raw) - set(cls.__dataclass_fields__):
+            raise ValueError(f"its decode section must be a mapping of {', '.join(cls.__dataclass_fields__)}")
+        tree = raw.get("tree")
+        if tree is not None and not isinstance(tree, (str, list)):
+            raise ValueError(f"its decode tree must be a tree spec or a list of paths (got {tree!r})")
+        return cls(tree=tree, threshold=_checked(raw.get("threshold", 0.0), "threshold", float),
+                   gate=_checked(raw.get("gate", 0.0), "gate", float), lookup=_checked(raw.get("lookup", 0), "lookup", int))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    """The per-step settings one drafter takes and their defaults (None: it does not take that setting)."""
+
+    tree: object = None
+    threshold: float | None = None
+    gate: float | None = None
+    lookup: int | None = None
+
+
+DRAFTER_SETTINGS: dict[str, DrafterSettings] = {
+    "none": DrafterSettings(),
+    "lookup": DrafterSettings(lookup=DEFAULT_LOOKUP),
+    "medusa": DrafterSettings(tree=MEDUSA_DEFAULT, threshold=0.0, gate=0.0, lookup=0),
+    "early-exit": DrafterSettings(tree=DEFAULT_CHAIN_TREE, threshold=0.0),
+    "eagle": DrafterSettings(tree=DEFAULT_EAGLE_TREE, threshold=0.0, lookup=0),
+    "draft-model": DrafterSettings(tree=DEFAULT_CHAIN_TREE),
+}
+
+# What each setting is and may be (threshold is a probability; gate a token count; lookup a token count).
+_LIMITS = {"threshold": (0.0, 1.0), "gate": (0.0, float("inf")), "lookup": (0, float("inf"))}
+_TAKEN_BY = {"threshold": "the medusa, early-exit and eagle drafters", "gate": "the medusa drafter only",
+             "lookup": "the medusa, eagle and lookup drafters only", "tree": "the medusa, early-exit, eagle and draft-model drafters"}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Concrete per-step settings for one drafter (None where it takes no such setting)."""
+
+    tree: object = None
+    threshold: float | None = None
+    gate: float | None = None
+    lookup: int | None = None
+
+
+def _checked(value, key: str, kind: type):
+    """A user's number for ``key``, as ``kind``, within its limits; one-line ValueError otherwise."""
+    try:
+        if kind is int:
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            number = int(float(value))
+        else:
+            number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        noun = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{key} must be 'auto' or {noun} (got {value!r})") from None
+    low, high = _LIMITS[key]
+    if not low <= number <= high:
+        span = f"between {low:g} and {high:g}" if high != float("inf") else f">= {low:g}"
+        raise ValueError(f"{key} must be 'auto' or {span} (got {number:g})")
+    return number
+
+
+def _check_tree(drafter: str, tree) -> None:
+    # Imported here: this module stays free of torch, so the CLI checks flags before loading it.
+    from .drafters.eagle import parse_dynamic_tree
+    from .tree import parse_tree
+
+    if drafter == "eagle":
+        parse_dynamic_tree(tree)
+    elif not parse_tree(tree, default=()):
+        raise ValueError(f"tree {tree!r} has no nodes: use 'auto', chain-K with K >= 1, or a non-empty list of paths")
+
+
+def check_settings(drafter: str, *, tree="auto", threshold="auto", gate="auto", lookup="auto") -> None:
+    """Refuse, before any model loads, settings that ``drafter`` does not take or that cannot be
+    parsed: a malformed tree, a threshold outside [0, 1], a negative gate or lookup."""
+    from .drafters import check_drafter_name
+
+    check_drafter_name(drafter)
+    declared = DRAFTER_SETTINGS[drafter]
+    given = {"threshold": threshold, "gate": gate, "lookup": lookup}
+    for key, value in given.items():
+        if value in AUTO:
+            continue
+        if getattr(declared, key) is None and value not in (0, 0.0):
+            hint = " (early exit: use threshold)" if key == "gate" and drafter == "early-exit" else ""
+            raise ValueError(f"{key} applies to {_TAKEN_BY[key]}, not {drafter!r}{hint}")
+        _checked(value, key, int if key == "lookup" else float)
+    if tree not in AUTO and declared.tree is not None:
+        _check_tree(drafter, tree)
+
+
+def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree="auto", threshold="auto",
+                     gate="auto", lookup="auto") -> Resolved:
+    """The settings a drafter runs with: each given value, else ("auto") the heads' tuned ``decode``
+    value (``decode``: None for drafters without heads), else the drafter's default. Values are
+    checked as in :func:`check_settings`."""
+    check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
+    declared = DRAFTER_SETTINGS[drafter]
+
+    def pick(key: str, value, kind: type):
+        if getattr(declared, key) is None:
+            return None
+        if value not in AUTO:
+            return _checked(value, key, kind)
+        return kind(getattr(decode, key)) if decode is not None else getattr(declared, key)
+
+    tuned_tree = decode.tree if decode is not None else None
+    return Resolved(
+        tree=None if declared.tree is None else (tree if tree not in AUTO else (tuned_tree or declared.tree)),
+        threshold=pick("threshold", threshold, float), gate=pick("gate", gate, float), lookup=pick("lookup", lookup, int))
