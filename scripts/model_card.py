@@ -81,6 +81,8 @@ DATA_NOTES = {
     "broad-ref": "teacher forcing: the broad prompt set's own reference answers (QA over passages, dialogue "
                  "summarisation, translation, MATH, code, roleplay, writing, factoid QA, adversarial requests), "
                  "`selfspec gen-data --references`; the target's distributions over them are the teacher",
+    "broad-self": "greedy answers (up to 160 tokens) to the broad prompt set, shuffled with seed 0, longest "
+                  "prompts first (`scripts/train_demo_checkpoints.sh`, stage 4)",
 }
 
 
@@ -226,6 +228,11 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
         lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
                      f"threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}.")
         lines.append("")
+    elif decode.tree is not None:
+        lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
+                  f"`{decode.tree}`, threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}: "
+                  "not timed for these heads by `selfspec tune-tree` (no tune-tree.json here); carried over from the "
+                  "heads they were warm-started from.", ""]
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:

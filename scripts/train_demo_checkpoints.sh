@@ -23,7 +23,7 @@ PROMPTS=${PROMPTS:?set PROMPTS to the broad prompt set (broad.jsonl, rows with a
 CK=checkpoints/smollm2-135m
 LAYER=.cache/heads/smollm2-135m-early-exit-layer
 DRAFT=.cache/drafts/smollm2-135m-draft-2l
-for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
+for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/eagle-s4 .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
@@ -41,7 +41,31 @@ run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-self --data "$SELF"
     --aux-layers 2,15,27,30 --steps 300 --lr 4e-4 --warmup 20 --eval-fraction 0.005 --eval-every 100 --save-every 25 \
     --out .cache/heads/eagle-final
 run selfspec tune-tree --model smollm2-135m --heads .cache/heads/eagle-final --repeats 1 --prompts-n 8 "${T[@]}" --data "$SELF"
-mkdir -p "$CK/eagle" && cp .cache/heads/eagle-final/{config.json,model.safetensors} "$CK/eagle/"
+# Stage 4 (shipped): the target's own answers to broad prompts join the mix, with a small share of the
+# teacher-forced broad rows, under bfloat16 autocast. The prompts are broad.jsonl shuffled (seed 0); the
+# shipped run used the first 128 answers gen-data stored (it answers the longest prompts first): the whole
+# 4000 take hours on this CPU, so run it in the background and stop it when you like (it resumes).
+mkdir -p .cache/prompts
+python - "$PROMPTS" > .cache/prompts/broad-shuf.jsonl <<'PY'
+import json, random, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+random.Random(0).shuffle(rows)
+for r in rows:
+    print(json.dumps({"id": r["id"], "prompt": r["prompt"], "source": r.get("source")}))
+PY
+run selfspec gen-data --model smollm2-135m --prompts .cache/prompts/broad-shuf.jsonl --out .cache/data/broad-self \
+    --max-prompts 4000 --max-new-tokens 160 --batch-size 16 --max-prompt-tokens 384 --shard-size 4 "${T[@]}"
+run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-final --loss-rows response --aux-layers 2,15,27,30 \
+    --data "$SELF",.cache/data/broad-self@128,.cache/data/broad-ref@3000 --steps 700 --lr 3e-4 --warmup 20 \
+    --eval-fraction 0.005 --eval-every 175 --save-every 50 --mixed-precision bf16 --out .cache/heads/eagle-s4
+python - <<'PY'   # stage 4 keeps stage 3's tuned tree and lookup (not re-tuned)
+from dataclasses import asdict
+from selfspec.heads import read_heads_config, write_heads_config
+c = read_heads_config(".cache/heads/eagle-s4")
+c.decode = read_heads_config(".cache/heads/eagle-final").decode
+write_heads_config(".cache/heads/eagle-s4", asdict(c))
+PY
+mkdir -p "$CK/eagle" && cp .cache/heads/eagle-s4/{config.json,model.safetensors} "$CK/eagle/"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-warm.yaml --data "$WARM_DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$WARM_DATA" "${T[@]}" --prompts-n 6

@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from ... import __version__
+from ...io import atomic_path, atomic_write_text
 from ...drafters.draft_model import truncated_copy
 from ..features import FeatureCache, Target
 from ..loop import EvalResult
@@ -132,28 +131,12 @@ def save_draft(student: torch.nn.Module, out, *, base_model: str, base_fingerpri
     student.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(out / WEIGHTS_FILE, suffix=".safetensors.tmp") as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, out / WEIGHTS_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     meta = {"base_model": base_model, "base_fingerprint": base_fingerprint, "shared": sorted(set(sd) - names),
             "dtype": save_dtype, "num_layers": student.config.num_hidden_layers, "selfspec_version": __version__,
             **({"training": extra} if extra else {})}
-    _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2, default=str) + "\n")
-    for name in (WEIGHTS_FILE, META_FILE):  # mkstemp makes 0600 files; a draft is meant to be shared
-        os.chmod(out / name, 0o644)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2, default=str) + "\n")   # last: marks the directory complete
 
 
 @dataclass
