@@ -65,7 +65,8 @@ class DecodeSettings:
 
 @dataclass(frozen=True)
 class DrafterSettings:
-    """The per-step settings one drafter takes and their defaults (None: it does not take that setting)."""
+    """Per-step settings of one drafter (None: it does not take that setting): in ``DRAFTER_SETTINGS``
+    its defaults, from :func:`resolve_settings` the values it runs with."""
 
     tree: object = None
     threshold: float | None = None
@@ -86,16 +87,6 @@ DRAFTER_SETTINGS: dict[str, DrafterSettings] = {
 _LIMITS = {"threshold": (0.0, 1.0), "gate": (0.0, float("inf")), "lookup": (0, float("inf"))}
 _TAKEN_BY = {"threshold": "the medusa, early-exit and eagle drafters", "gate": "the medusa drafter only",
              "lookup": "the medusa, eagle and lookup drafters only", "tree": "the medusa, early-exit, eagle and draft-model drafters"}
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """Concrete per-step settings for one drafter (None where it takes no such setting)."""
-
-    tree: object = None
-    threshold: float | None = None
-    gate: float | None = None
-    lookup: int | None = None
 
 
 def _checked(value, key: str, kind: type):
@@ -148,7 +139,7 @@ def check_settings(drafter: str, *, tree="auto", threshold="auto", gate="auto", 
 
 
 def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree="auto", threshold="auto",
-                     gate="auto", lookup="auto") -> Resolved:
+                     gate="auto", lookup="auto") -> DrafterSettings:
     """The settings a drafter runs with: each given value, else ("auto") the heads' tuned ``decode``
     value (``decode``: None for drafters without heads), else the drafter's default. Values are
     checked as in :func:`check_settings`."""
@@ -163,6 +154,6 @@ def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree
         return kind(getattr(decode, key)) if decode is not None else getattr(declared, key)
 
     tuned_tree = decode.tree if decode is not None else None
-    return Resolved(
+    return DrafterSettings(
         tree=None if declared.tree is None else (tree if tree not in AUTO else (tuned_tree or declared.tree)),
         threshold=pick("threshold", threshold, float), gate=pick("gate", gate, float), lookup=pick("lookup", lookup, int))

@@ -335,6 +335,12 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     assert main(["tune-tree", "--heads", str(tmp_path / "e"), "--data", "unused", "--recorded"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "records no tune-tree timings" in err[0]
+    (tmp_path / "h" / "tune-tree.json").write_text('{"candidates": [')   # torn by hand: refused in one line
+    config_before = (tmp_path / "h" / "config.json").read_text()
+    assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tune-tree.json is not a tune-tree record" in err[0]
+    assert (tmp_path / "h" / "config.json").read_text() == config_before
 
 
 @pytest.mark.parametrize("kind,adapter", [("medusa", "mlp"), ("early-exit", "layer")])

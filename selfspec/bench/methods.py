@@ -93,7 +93,14 @@ def build_methods(
     def spec(drafter, **kw):
         return SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name, **kw)
 
-    methods, loaded_heads = [], {}   # heads loaded once per kind, shared by a method and its "-heads" variant
+    loaded_heads = {}   # heads loaded once per kind, shared by a method and its "-heads" variant
+
+    def shared_heads(kind: str, path):
+        if kind not in loaded_heads:
+            loaded_heads[kind] = heads_for(kind, path)
+        return loaded_heads[kind]
+
+    methods = []
     for name in names:
         if name == BASELINE:
             fn = hf()
@@ -112,9 +119,7 @@ def build_methods(
         elif name in ("selfspec-medusa", "selfspec-medusa-heads", "selfspec-early-exit"):
             kind = name.removeprefix("selfspec-").removesuffix("-heads")
             medusa = kind == "medusa"
-            if medusa and kind not in loaded_heads:
-                loaded_heads[kind] = heads_for(kind, medusa_heads)
-            sm = spec(kind, heads=loaded_heads[kind] if medusa else heads_for(kind, exit_heads),
+            sm = spec(kind, heads=shared_heads(kind, medusa_heads if medusa else exit_heads),
                       tree=medusa_tree if medusa else exit_tree,
                       threshold=medusa_threshold if medusa else exit_threshold,
                       gate=medusa_gate if medusa else "auto",
@@ -127,9 +132,7 @@ def build_methods(
                 notes[f"{key}_lookup"] = sm.drafter.lookup
             fn = ours(sm)
         elif name in ("selfspec-eagle", "selfspec-eagle-heads"):
-            if "eagle" not in loaded_heads:
-                loaded_heads["eagle"] = heads_for("eagle", eagle_heads)
-            sm = spec("eagle", heads=loaded_heads["eagle"], tree=eagle_tree, threshold=eagle_threshold,
+            sm = spec("eagle", heads=shared_heads("eagle", eagle_heads), tree=eagle_tree, threshold=eagle_threshold,
                       lookup=0 if name.endswith("-heads") else eagle_lookup)
             d = sm.drafter
             key = name.removeprefix("selfspec-").replace("-", "_")

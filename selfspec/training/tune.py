@@ -33,7 +33,7 @@ from ..backbone import Backbone, config_fingerprint
 from ..decode import decode
 from ..drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..drafters.eagle import parse_dynamic_tree
-from ..heads import Heads, load_heads, read_heads_config, save_heads, write_heads_config
+from ..heads import Heads, load_heads, read_heads_config, write_heads_config
 from ..io import atomic_write_text
 from ..loading import check_model_name, load_model
 from ..sampling import SamplingParams
@@ -254,24 +254,21 @@ def run_tune(args) -> int:
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
-    heads.config.decode = _choice(best)
-    heads.config.provenance.pop("tree_search", None)
-    save_heads(heads, args.heads)
-    _write_search(args.heads, {**search, "tolerance": args.tolerance})
-    return _report_choice(args.heads, best)
+    return _record(args.heads, heads.config, best, {**search, "tolerance": args.tolerance})
 
 
 SEARCH_FILE = "tune-tree.json"
 
 
-def _choice(best: Candidate) -> DecodeSettings:
-    """What "auto" reads: the heads' ``decode`` section."""
-    return DecodeSettings(tree=best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec],
-                          threshold=best.threshold, gate=best.gate, lookup=best.lookup)
-
-
-def _write_search(heads_dir, search: dict) -> None:
+def _record(heads_dir, config, best: Candidate, search: dict) -> int:
+    """The pick into the heads' ``decode`` section (what "auto" reads) and the timings behind it into
+    tune-tree.json; the weights are not rewritten."""
+    config.decode = DecodeSettings(tree=best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec],
+                                   threshold=best.threshold, gate=best.gate, lookup=best.lookup)
+    config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
+    write_heads_config(heads_dir, asdict(config))
     atomic_write_text(Path(heads_dir) / SEARCH_FILE, json.dumps(search, indent=1))
+    return _report_choice(heads_dir, best)
 
 
 def recorded_search(heads_dir) -> dict | None:
@@ -279,7 +276,13 @@ def recorded_search(heads_dir) -> dict | None:
     keep them in their provenance), or None."""
     path = Path(heads_dir) / SEARCH_FILE
     if path.is_file():
-        return json.loads(path.read_text())
+        try:
+            search = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            search = None
+        if not isinstance(search, dict):
+            raise ValueError(f"{path} is not a tune-tree record (corrupt JSON): delete it and run `selfspec tune-tree` again")
+        return search
     return read_heads_config(heads_dir).provenance.get("tree_search")
 
 
@@ -300,9 +303,4 @@ def _repick(args) -> int:
     cands = [Candidate(**{**{k: v for k, v in c.items() if k in fields},
                           "spec": c["spec"] if isinstance(c["spec"], str) else tuple(tuple(p) for p in c["spec"])})
              for c in search["candidates"]]
-    best = pick(cands, tolerance=args.tolerance)
-    heads.decode = _choice(best)
-    heads.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
-    write_heads_config(args.heads, asdict(heads))
-    _write_search(args.heads, {**search, "tolerance": args.tolerance})
-    return _report_choice(args.heads, best)
+    return _record(args.heads, heads, pick(cands, tolerance=args.tolerance), {**search, "tolerance": args.tolerance})
