@@ -21,7 +21,7 @@ from typing import Callable
 from . import __version__
 from .io import prompt_ids
 from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
-from .training.cli_args import at_least, check_output_dir, check_prompt_text, check_sampling, check_training_config
+from .training.cli_args import at_least, check_output_dir, check_prompt_text, check_sampling
 
 
 def format_stats(stats) -> str:
@@ -87,23 +87,16 @@ def cmd_generate(args) -> int:
 
 
 def add_generate(p: argparse.ArgumentParser) -> None:
-    from .settings import DEFAULT_MAX_NEW_TOKENS
+    from .settings import DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS
 
     p.add_argument("--model", default="smollm2-135m", help="alias, model directory, .gguf file or hub id")
     p.add_argument("--drafter", default="auto", choices=["auto", *DRAFTER_NAMES],
                    help="auto: the shipped drafter measured fastest for the demo model (else the context lookup)")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped checkpoint for the demo model)")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft-model")
-    p.add_argument("--tree", default="auto", help="auto | chain-K | chain-K-wW | eagle: dynamic-D-K-M")
-    p.add_argument("--threshold", default="auto",
-                   help="medusa / early-exit / eagle: propose only tree nodes whose draft path probability is >= this "
-                        "(0 = the whole tree; auto = the value tune-tree measured fastest). Output is unchanged")
-    p.add_argument("--gate", default="auto",
-                   help="medusa: propose nothing in a step whose tree the heads expect fewer than this many tokens "
-                        "accepted from (0 = always propose; auto = as tuned). Output is unchanged")
-    p.add_argument("--lookup", default="auto",
-                   help="medusa / eagle: also propose up to this many tokens copied from where the context's last "
-                        "tokens occurred before (0 = off; auto = as tuned). Output is unchanged")
+    for key in SETTING_KEYS:
+        takers = [d for d in DRAFTER_NAMES if getattr(DRAFTER_SETTINGS[d], key) is not None]
+        p.add_argument(f"--{key}", default="auto", help=f"{' / '.join(takers)}: {SETTING_HELP[key]}")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
@@ -147,30 +140,10 @@ def add_export(p: argparse.ArgumentParser) -> None:
 
 
 def setup_train_heads(p: argparse.ArgumentParser) -> None:
-    from .training.train import add_train_heads_args
+    from .training.train import add_train_heads_args, run_train_heads
 
     add_train_heads_args(p)
-    p.set_defaults(func=cmd_train_heads)
-
-
-def cmd_train_heads(args) -> int:
-    """``selfspec train-heads``, its flags checked first (training/train.py checks them only after loading)."""
-    from .loading import check_model_name
-    from .training.data import check_training_sources
-    from .training.train import config_from_args, run_train_heads
-
-    config, extra = config_from_args(args)
-    check_training_config(config, resume=args.resume)
-    if extra["model"]:
-        check_model_name(extra["model"])
-    check_training_sources(data=extra["data"], prompts=extra["prompts"])
-    if config.kind == "early-exit" and config.exit_layer is not None and extra["model"]:
-        from .loading import model_config
-
-        n = model_config(extra["model"]).num_hidden_layers
-        if not config.exit_layer < n:
-            raise ValueError(f"--exit-layer {config.exit_layer}: {extra['model']} has {n} layers, so it takes 1 to {n - 1}")
-    return 130 if run_train_heads(args).interrupted else 0
+    p.set_defaults(func=lambda a: 130 if run_train_heads(a).interrupted else 0)
 
 
 def setup_train_draft(p: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
 
 
 class SelfSpeculativeModel:
-    def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, tree, name: str,
+    def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto"):
         self.model = model
         self.tokenizer = tokenizer
@@ -99,6 +99,7 @@ class SelfSpeculativeModel:
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
         st = resolve_settings(drafter_name, decode, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
+        self.settings = st   # what this drafter runs with (DrafterSettings; None where it takes no such setting)
         if drafter_name == "none":
             self.drafter = NoDrafter(self.backbone.device)
         elif drafter_name == "lookup":

@@ -83,6 +83,19 @@ DRAFTER_SETTINGS: dict[str, DrafterSettings] = {
     "draft-model": DrafterSettings(tree=DEFAULT_CHAIN_TREE),
 }
 
+SETTING_KEYS = ("tree", "threshold", "gate", "lookup")
+# What each setting does, for --help (the generate flags and bench's per-method flags alike).
+SETTING_HELP = {
+    "tree": "auto | chain-K | chain-K-wW | a list of paths; eagle: dynamic-D-K-M (depth D, K expanded per level, "
+            "M nodes verified); auto = as tuned",
+    "threshold": "propose only tree nodes whose draft path probability is >= this (0 = the whole tree; auto = the "
+                 "value tune-tree measured fastest). Output is unchanged",
+    "gate": "propose nothing in a step whose tree the heads expect fewer than this many tokens accepted from "
+            "(0 = always propose; auto = as tuned). Output is unchanged",
+    "lookup": "also propose up to this many tokens copied from where the context's last tokens occurred before "
+              "(0 = off; auto = as tuned). Output is unchanged",
+}
+
 # What each setting is and may be (threshold is a probability; gate a token count; lookup a token count).
 _LIMITS = {"threshold": (0.0, 1.0), "gate": (0.0, float("inf")), "lookup": (0, float("inf"))}
 _TAKEN_BY = {"threshold": "the medusa, early-exit and eagle drafters", "gate": "the medusa drafter only",

@@ -111,3 +111,25 @@ def test_bench_requires_the_baseline():
     with pytest.raises(ValueError, match="hf-generate"):
         run_bench([m], [Prompt("0", "all", "x")], lambda t: torch.ones(1, 2, dtype=torch.long),
                   model=tiny_model(), max_new_tokens=2, temperature=0.0, progress=False)
+
+
+def test_bench_flags_follow_each_drafters_declared_settings():
+    """--PREFIX-SETTING exists exactly for the settings a drafter declares, and reaches build_methods."""
+    import argparse
+
+    from selfspec.bench import _method_settings, add_bench_args
+    from selfspec.bench.methods import flag_prefixes
+    from selfspec.settings import DRAFTER_SETTINGS, SETTING_KEYS
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    flags = {a.dest for a in p._actions}
+    for prefix, drafter in flag_prefixes().items():
+        for key in SETTING_KEYS:
+            assert (f"{prefix}_{key}" in flags) == (getattr(DRAFTER_SETTINGS[drafter], key) is not None), (prefix, key)
+    args = p.parse_args(["--prompts", "x.jsonl", "--medusa-gate", "0.5", "--eagle-tree", "dynamic-3-2-4"])
+    settings = _method_settings(args)
+    assert settings["medusa"]["gate"] == "0.5" and settings["eagle"]["tree"] == "dynamic-3-2-4"
+    assert settings["early-exit"] == {"tree": "auto", "threshold": "auto"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prompts", "x.jsonl", "--exit-lookup", "3"])   # early exit takes no lookup

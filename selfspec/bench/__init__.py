@@ -12,23 +12,12 @@ import torch
 from ..heads import read_heads_config
 from ..io import prompt_ids
 from ..loading import check_model_name, load_model
-from ..settings import DEFAULT_MAX_NEW_TOKENS, check_settings
-from ..shipped import shipped_draft, shipped_heads
+from ..settings import DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
+from ..shipped import HEADS_DRAFTERS, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, load_prompts, run_bench
-from .methods import build_methods, parse_methods
+from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods
 from .report import decoding_mode, markdown, write_report
-
-# selfspec methods -> (drafter, the flags that set its heads / tree / threshold / gate / lookup)
-_SELFSPEC_FLAGS = {
-    "selfspec-medusa": ("medusa", "medusa_heads", "medusa_tree", "medusa_threshold", "medusa_gate", "medusa_lookup"),
-    "selfspec-early-exit": ("early-exit", "exit_heads", "exit_tree", "exit_threshold", None, None),
-    "selfspec-medusa-heads": ("medusa", "medusa_heads", "medusa_tree", "medusa_threshold", "medusa_gate", None),
-    "selfspec-eagle": ("eagle", "eagle_heads", "eagle_tree", "eagle_threshold", None, "eagle_lookup"),
-    "selfspec-eagle-heads": ("eagle", "eagle_heads", "eagle_tree", "eagle_threshold", None, None),
-    "selfspec-draft-model": ("draft-model", None, "draft_tree", None, None, None),
-}
-
 
 def add_bench_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
@@ -40,21 +29,14 @@ def add_bench_args(p) -> None:
                    help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())})")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
-    p.add_argument("--medusa-heads", default=None, help="default: the shipped checkpoint for the demo model")
-    p.add_argument("--exit-heads", default=None, help="default: the shipped checkpoint for the demo model")
     p.add_argument("--draft-model", default=None, help="draft for hf-assisted / selfspec-draft-model")
-    p.add_argument("--medusa-tree", default="auto")
-    p.add_argument("--exit-tree", default="auto")
-    p.add_argument("--draft-tree", default="auto")
-    p.add_argument("--medusa-threshold", default="auto", help="draft path probability below which nodes are not proposed")
-    p.add_argument("--exit-threshold", default="auto", help="likewise for early exit (0 = never prune)")
-    p.add_argument("--medusa-gate", default="auto", help="expected accepted tokens below which a Medusa step proposes nothing")
-    p.add_argument("--medusa-lookup", default="auto",
-                   help="context tokens a greedy Medusa step may also propose (prompt lookup; 0 = off, auto = as tuned)")
-    p.add_argument("--eagle-heads", default=None, help="default: the shipped checkpoint for the demo model")
-    p.add_argument("--eagle-tree", default="auto", help="dynamic-D-K-M: depth D, K expanded per level, M nodes verified")
-    p.add_argument("--eagle-threshold", default="auto", help="draft path probability below which eagle nodes are not proposed")
-    p.add_argument("--eagle-lookup", default="auto", help="context tokens an eagle step may also propose (0 = off)")
+    for prefix, drafter in flag_prefixes().items():   # --medusa-heads, --medusa-tree, --exit-threshold, ...
+        if drafter in HEADS_DRAFTERS:
+            p.add_argument(f"--{prefix}-heads", default=None,
+                           help=f"{drafter} heads directory (default: the shipped checkpoint for the demo model)")
+        for key in SETTING_KEYS:
+            if getattr(DRAFTER_SETTINGS[drafter], key) is not None:
+                p.add_argument(f"--{prefix}-{key}", default="auto", help=f"{drafter}: {SETTING_HELP[key]}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -78,17 +60,27 @@ def check_bench_args(args) -> list[str]:
     return names
 
 
+def _method_settings(args) -> dict[str, dict]:
+    """drafter -> {setting: value} from its bench flags (--medusa-tree -> {"medusa": {"tree": ...}})."""
+    return {drafter: {key: getattr(args, f"{prefix}_{key}") for key in SETTING_KEYS
+                      if getattr(DRAFTER_SETTINGS[drafter], key) is not None}
+            for prefix, drafter in flag_prefixes().items()}
+
+
+def _heads_flags(args) -> dict[str, str | None]:
+    """drafter -> the heads directory its --PREFIX-heads flag names (None: not given)."""
+    return {drafter: getattr(args, f"{prefix}_heads") for prefix, drafter in flag_prefixes().items()
+            if drafter in HEADS_DRAFTERS}
+
+
 def _check_selfspec_flags(args, names: list[str]) -> None:
     """Trees, thresholds and heads directories of the selfspec methods being run, before anything loads."""
     check_model_name(args.model)
-    for name in names:
-        if name not in _SELFSPEC_FLAGS:
-            continue
-        drafter, heads, tree, threshold, gate, lookup = _SELFSPEC_FLAGS[name]
-        value = lambda flag: "auto" if flag is None else getattr(args, flag)  # noqa: E731
-        check_settings(drafter, tree=value(tree), threshold=value(threshold), gate=value(gate), lookup=value(lookup))
-        if heads is not None and getattr(args, heads) is not None:
-            read_heads_config(getattr(args, heads), expect_kind=drafter)
+    settings, heads = _method_settings(args), _heads_flags(args)
+    for drafter in dict.fromkeys(SELFSPEC_METHODS[n][0] for n in names if n in SELFSPEC_METHODS):
+        check_settings(drafter, **settings.get(drafter, {}))
+        if heads.get(drafter) is not None:
+            read_heads_config(heads[drafter], expect_kind=drafter)
     if {"hf-assisted", "selfspec-draft-model"} & set(names):
         path = args.draft_model or shipped_draft(args.model)
         if path is None:
@@ -106,18 +98,12 @@ def run_bench_cli(args) -> int:
     if {"hf-assisted", "selfspec-draft-model"} & set(names):
         path = args.draft_model or shipped_draft(args.model)
         draft = load_model(str(path), dtype=args.dtype, device=args.device).model
-    medusa = args.medusa_heads or shipped_heads(args.model, "medusa")
-    exits = args.exit_heads or shipped_heads(args.model, "early-exit")
-    eagle = args.eagle_heads or shipped_heads(args.model, "eagle")
+    heads = {kind: path or shipped_heads(args.model, kind) for kind, path in _heads_flags(args).items()}
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         methods, notes = build_methods(names, model=loaded.model, tokenizer=loaded.tokenizer, model_name=loaded.name,
-                                       temperature=args.temperature, medusa_heads=medusa, exit_heads=exits,
-                                       draft_model=draft, medusa_tree=args.medusa_tree, exit_tree=args.exit_tree,
-                                       draft_tree=args.draft_tree, medusa_threshold=args.medusa_threshold,
-                                       exit_threshold=args.exit_threshold, medusa_gate=args.medusa_gate,
-                                       medusa_lookup=args.medusa_lookup, eagle_heads=eagle, eagle_tree=args.eagle_tree,
-                                       eagle_threshold=args.eagle_threshold, eagle_lookup=args.eagle_lookup)
+                                       temperature=args.temperature, heads=heads, draft_model=draft,
+                                       settings=_method_settings(args))
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     results = run_bench(methods, prompts, lambda text: torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)]),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

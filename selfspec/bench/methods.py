@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 
 import torch
 
@@ -10,6 +11,7 @@ from ..backbone import config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
+from ..shipped import HEADS_DRAFTERS
 from .harness import ALIASES, ALL_METHODS, BASELINE, Method
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -27,6 +29,27 @@ def parse_methods(spec: str | None) -> list[str]:
     return names
 
 
+# selfspec's methods: name -> (drafter, the bench flag prefix for its heads and settings, settings the method
+# pins). The flags themselves (--medusa-heads, --medusa-tree, --exit-threshold, ...) are derived from this
+# table and the drafters' declared settings (settings.DRAFTER_SETTINGS). "-heads": the same heads and tree
+# with the context lookup off (what the heads draft on their own).
+SELFSPEC_METHODS = {
+    "selfspec-ar": ("none", None, {}),
+    "selfspec-lookup": ("lookup", None, {}),
+    "selfspec-early-exit": ("early-exit", "exit", {}),
+    "selfspec-medusa": ("medusa", "medusa", {}),
+    "selfspec-medusa-heads": ("medusa", "medusa", {"lookup": 0}),
+    "selfspec-eagle": ("eagle", "eagle", {}),
+    "selfspec-eagle-heads": ("eagle", "eagle", {"lookup": 0}),
+    "selfspec-draft-model": ("draft-model", "draft", {}),
+}
+
+
+def flag_prefixes() -> dict[str, str]:
+    """Bench flag prefix -> the drafter it configures ("exit" -> "early-exit")."""
+    return {prefix: drafter for drafter, prefix, _ in SELFSPEC_METHODS.values() if prefix}
+
+
 def build_methods(
     names: list[str],
     *,
@@ -34,22 +57,16 @@ def build_methods(
     tokenizer,
     model_name: str,
     temperature: float,
-    medusa_heads=None,
-    exit_heads=None,
+    heads: dict | None = None,
     draft_model=None,
-    medusa_tree="auto",
-    exit_tree="auto",
-    draft_tree="auto",
-    medusa_threshold="auto",
-    exit_threshold="auto",
-    medusa_gate="auto",
-    medusa_lookup="auto",
-    eagle_heads=None,
-    eagle_tree="auto",
-    eagle_threshold="auto",
-    eagle_lookup="auto",
+    settings: dict | None = None,
 ) -> tuple[list[Method], dict]:
-    """Returns (methods, notes): notes record which heads/draft each method used."""
+    """Returns (methods, notes): notes record which heads/draft and which settings each method used.
+
+    heads: drafter -> heads directory (a drafter left out runs untrained heads, with a warning).
+    settings: drafter -> {setting: value} as the user gave them ("auto" for tuned or default).
+    """
+    heads, settings = heads or {}, settings or {}
     sampling = temperature > 0
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
@@ -74,15 +91,22 @@ def build_methods(
             return out[0, ids.shape[1]:].tolist(), sm.last_stats
         return fn
 
-    def heads_for(kind: str, path):
+    loaded_heads = {}   # heads loaded once per kind, shared by a method and its "-heads" variant
+
+    def heads_for(kind: str):
+        if kind in loaded_heads:
+            return loaded_heads[kind]
+        path = heads.get(kind)
         if path is None:
             warnings.warn(f"no {kind} heads given: benchmarking untrained heads (exact, little speed-up)", stacklevel=3)
             notes[kind] = "untrained"
-            return untrained_heads(kind, model, model_name)
-        notes[kind] = str(path)
-        p = model.get_output_embeddings().weight
-        return load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config), device=p.device,
-                          dtype=p.dtype, model=model)
+            loaded_heads[kind] = untrained_heads(kind, model, model_name)
+        else:
+            notes[kind] = str(path)
+            p = model.get_output_embeddings().weight
+            loaded_heads[kind] = load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config),
+                                            device=p.device, dtype=p.dtype, model=model)
+        return loaded_heads[kind]
 
     needs_draft = {"hf-assisted", "selfspec-draft-model"} & set(names)
     if needs_draft and draft_model is None:
@@ -90,15 +114,18 @@ def build_methods(
     if needs_draft:
         notes["draft_model"] = getattr(draft_model, "name_or_path", None) or "given"
 
-    def spec(drafter, **kw):
-        return SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name, **kw)
-
-    loaded_heads = {}   # heads loaded once per kind, shared by a method and its "-heads" variant
-
-    def shared_heads(kind: str, path):
-        if kind not in loaded_heads:
-            loaded_heads[kind] = heads_for(kind, path)
-        return loaded_heads[kind]
+    def selfspec_method(name: str):
+        drafter, _, pinned = SELFSPEC_METHODS[name]
+        sm = SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name,
+                                  heads=heads_for(drafter) if drafter in HEADS_DRAFTERS else None,
+                                  draft_model=draft_model if drafter == "draft-model" else None,
+                                  **{**settings.get(drafter, {}), **pinned})
+        key = name.removeprefix("selfspec-").replace("-", "_")
+        for setting, value in asdict(sm.settings).items():
+            if value is not None:
+                tree = getattr(sm.drafter, "tree", None) if setting == "tree" else None
+                notes[f"{key}_{setting}"] = [list(p) for p in tree.paths] if tree is not None else value
+        return ours(sm)
 
     methods = []
     for name in names:
@@ -110,36 +137,7 @@ def build_methods(
             fn = hf(assistant_early_exit=default_exit_layer(n_layers))
         elif name == "hf-prompt-lookup":
             fn = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
-        elif name == "selfspec-ar":
-            fn = ours(spec("none", heads=None, tree="auto"))
-        elif name == "selfspec-lookup":
-            sm = spec("lookup", heads=None, tree="auto")
-            notes["lookup"] = sm.drafter.lookup
-            fn = ours(sm)
-        elif name in ("selfspec-medusa", "selfspec-medusa-heads", "selfspec-early-exit"):
-            kind = name.removeprefix("selfspec-").removesuffix("-heads")
-            medusa = kind == "medusa"
-            sm = spec(kind, heads=shared_heads(kind, medusa_heads if medusa else exit_heads),
-                      tree=medusa_tree if medusa else exit_tree,
-                      threshold=medusa_threshold if medusa else exit_threshold,
-                      gate=medusa_gate if medusa else "auto",
-                      lookup=(0 if name.endswith("-heads") else medusa_lookup) if medusa else "auto")
-            key = name.removeprefix("selfspec-").replace("-", "_")
-            notes[f"{key}_tree"] = [list(p) for p in sm.drafter.tree.paths]
-            notes[f"{key}_threshold"] = sm.drafter.threshold
-            if medusa:
-                notes[f"{key}_gate"] = sm.drafter.gate
-                notes[f"{key}_lookup"] = sm.drafter.lookup
-            fn = ours(sm)
-        elif name in ("selfspec-eagle", "selfspec-eagle-heads"):
-            sm = spec("eagle", heads=shared_heads("eagle", eagle_heads), tree=eagle_tree, threshold=eagle_threshold,
-                      lookup=0 if name.endswith("-heads") else eagle_lookup)
-            d = sm.drafter
-            key = name.removeprefix("selfspec-").replace("-", "_")
-            notes[f"{key}_tree"] = f"dynamic-{d.depth}-{d.expand}-{d.nodes}"
-            notes[f"{key}_threshold"], notes[f"{key}_lookup"] = d.threshold, d.lookup
-            fn = ours(sm)
         else:
-            fn = ours(spec("draft-model", heads=None, tree=draft_tree, draft_model=draft_model))
+            fn = selfspec_method(name)
         methods.append(Method(name=name, fn=fn))
     return methods, notes

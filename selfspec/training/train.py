@@ -31,7 +31,7 @@ import torch
 
 from ..heads import KINDS
 from .checkpoint import STATE_FILE, check_resumable
-from .cli_args import flag_type, run_module
+from .cli_args import check_training_config, flag_type, run_module
 from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, default_exit_layer
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, resolve_mixed_precision
@@ -311,16 +311,32 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
     return TrainConfig(**values), extra
 
 
+def check_train_heads_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
+    """Every train-heads flag and recipe key checked before the model loads: (config, recipe extras)."""
+    from ..loading import check_model_name, model_config
+    from .data import check_training_sources
+
+    config, extra = config_from_args(args)
+    check_training_config(config, resume=args.resume)
+    if not extra["model"]:
+        raise ValueError("--model is required (or `model:` in the --config recipe)")
+    check_model_name(extra["model"])
+    if not extra["data"] and not extra["prompts"]:
+        raise ValueError("give --data DIR (from `selfspec gen-data`) or --prompts FILE")
+    check_training_sources(data=extra["data"], prompts=extra["prompts"])
+    if config.kind == "early-exit" and config.exit_layer is not None:
+        n = model_config(extra["model"]).num_hidden_layers
+        if not config.exit_layer < n:
+            raise ValueError(f"--exit-layer {config.exit_layer}: {extra['model']} has {n} layers, so it takes 1 to {n - 1}")
+    return config, extra
+
+
 def run_train_heads(args: argparse.Namespace) -> TrainResult:
-    """``selfspec train-heads``: optionally generate data, train, print a one-line summary."""
+    """``selfspec train-heads``: check every flag, optionally generate data, train, print a one-line summary."""
     from ..loading import load_model
     from . import data as gen
 
-    config, extra = config_from_args(args)
-    if not extra["model"]:
-        raise ValueError("--model is required (or `model:` in the --config recipe)")
-    if not extra["data"] and not extra["prompts"]:
-        raise ValueError("give --data DIR (from `selfspec gen-data`) or --prompts FILE")
+    config, extra = check_train_heads_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(extra["model"], dtype=args.dtype, device=args.device)
