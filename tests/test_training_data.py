@@ -4,6 +4,7 @@ Everything runs on a tiny random Llama and a word-level tokenizer built in memor
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -379,3 +380,33 @@ def test_references_are_stored_as_answers_without_generating(tmp_path, monkeypat
     assert read_meta(tmp_path / "tf")["answers"] == "reference"
     with pytest.raises(ValueError, match="answers"):   # generated answers never mix into it
         generate_distillation_data(make_model(), tokenizer, rows, tmp_path / "tf", max_new_tokens=8, progress=False)
+
+
+def test_ids_stored_as_uint16_load_as_int32_beside_older_int32_directories(tmp_path):
+    """A vocabulary under 65,536 is stored at half the size; an old int32 directory keeps its layout
+    when it grows, and both load together as int32 with the same ids."""
+    model, tok = make_model(), make_tokenizer(chat=True)
+    new = generate_distillation_data(model, tok, prompts(4), tmp_path / "new", max_new_tokens=4, batch_size=2,
+                                     progress=False)
+    assert json.loads((tmp_path / "new" / "meta.json").read_text())["token_dtype"] == "uint16"
+    shard = datasets.load_from_disk(str(next((tmp_path / "new").glob("shard-*"))))
+    assert shard.features["input_ids"].feature.dtype == "uint16"
+    assert new.features["input_ids"].feature.dtype == "int32"
+    # An int32 directory, as gen-data wrote them before: it grows in int32 and loads beside the uint16 one.
+    old = tmp_path / "old"
+    generate_distillation_data(model, tok, prompts(2), old, max_new_tokens=4, batch_size=2, progress=False)
+    meta = json.loads((old / "meta.json").read_text())
+    for p in old.glob("shard-*"):
+        ds = datasets.load_from_disk(str(p))
+        ds.cast(datasets.Features({**ds.features, "input_ids": datasets.Sequence(datasets.Value("int32"))})
+                ).save_to_disk(str(p) + "x")
+        shutil.rmtree(p)
+        (old / (p.name + "x")).rename(p)
+    (old / "meta.json").write_text(json.dumps({**meta, "token_dtype": "int32"}))
+    generate_distillation_data(model, tok, prompts(4), old, max_new_tokens=4, batch_size=2, progress=False)
+    for p in old.glob("shard-*"):
+        assert datasets.load_from_disk(str(p)).features["input_ids"].feature.dtype == "int32"
+    both = load_distillation_data(f"{old},{tmp_path / 'new'}")
+    assert both.features["input_ids"].feature.dtype == "int32"
+    by_id = dict(zip(new["id"], new["input_ids"]))
+    assert [by_id[i] for i in both["id"]] == list(both["input_ids"])   # same model, same prompts: the same rows

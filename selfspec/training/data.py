@@ -6,7 +6,8 @@ On-disk layout of ``out_dir``::
     shard-00000/       one ``datasets.Dataset.save_to_disk`` directory per chunk of prompts
     shard-00001/ ...
 
-Each row: ``id`` (str), ``input_ids`` (int32 list: prompt tokens then response tokens, no padding),
+Each row: ``id`` (str), ``input_ids`` (prompt tokens then response tokens, no padding; uint16 when the
+vocabulary fits, else int32, as ``meta.json``'s ``token_dtype`` says; loading gives int32 either way),
 ``response_start`` (index of the first response token) and ``n_response`` (number of response tokens).
 A response ends after the first EOS token, which is kept; a response without EOS ran to ``max_new_tokens``.
 
@@ -233,12 +234,16 @@ def cut_after_eos(tokens: list[int], eos_ids) -> list[int]:
     return tokens
 
 
-def _features() -> datasets.Features:
-    # int32 halves the footprint of Arrow's default int64; every real vocabulary fits.
+def token_dtype(vocab_size: int) -> str:
+    """How token ids are stored: uint16 where the vocabulary fits (half of int32), else int32."""
+    return "uint16" if vocab_size <= 65536 else "int32"
+
+
+def _features(tokens: str = "int32") -> datasets.Features:
     return datasets.Features(
         {
             "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),  # a List on datasets >= 4
+            "input_ids": datasets.Sequence(datasets.Value(tokens)),  # a List on datasets >= 4
             "response_start": datasets.Value("int32"),
             "n_response": datasets.Value("int32"),
         }
@@ -302,13 +307,14 @@ def generate_distillation_data(
         "eos_token_ids": eos_ids,
         "seed": int(seed),
         "vocab_size": len(tokenizer),
-        "token_dtype": "int32",
+        "token_dtype": token_dtype(len(tokenizer)),
         "answers": "reference" if references else "generated",
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir):
         _remove_stale_temporaries(out_dir)
         _check_or_write_meta(out_dir, meta)
+        tokens = read_meta(out_dir).get("token_dtype", "int32")   # a directory keeps the layout it began with
         shards = _finished_shards(out_dir)
         done = _stored_ids(shards)
         pending = [row for row in prompts if row["id"] not in done]
@@ -342,7 +348,7 @@ def generate_distillation_data(
                     n_tokens += sum(row["n_response"] for row in rows[-len(batch):])
                     bar.update(len(batch))
                     bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - started):.1f}")
-                _write_shard(out_dir, index=first_shard + shard_no, rows=rows)
+                _write_shard(out_dir, index=first_shard + shard_no, rows=rows, tokens=tokens)
     return load_distillation_data(out_dir)
 
 
@@ -434,6 +440,9 @@ def load_distillation_data(spec, *, rows: list[int] | None = None) -> datasets.D
         shards = _finished_shards(out_dir)
         ds = (datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards]) if shards
               else datasets.Dataset.from_dict({name: [] for name in _features()}, features=_features()))
+        if ds.features != _features():   # stored as uint16: every reader sees int32, whatever the directory holds
+            with _datasets_progress_bars_off():
+                ds = ds.cast(_features())
         keep = rows[i] if rows is not None else cap
         if keep is not None and keep > len(ds):
             raise ValueError(f"{out_dir} holds {len(ds)} rows but the run used {keep}: pass the data it was trained on"
@@ -487,10 +496,10 @@ def _stored_ids(shards: list[Path]) -> set[str]:
     return ids
 
 
-def _write_shard(out_dir: Path, *, index: int, rows: list[dict]) -> None:
+def _write_shard(out_dir: Path, *, index: int, rows: list[dict], tokens: str) -> None:
     final = out_dir / f"{SHARD_PREFIX}{index:05d}"
     columns = {name: [row[name] for row in rows] for name in _features()}
-    ds = datasets.Dataset.from_dict(columns, features=_features())
+    ds = datasets.Dataset.from_dict(columns, features=_features(tokens))
     with _datasets_progress_bars_off(), atomic_dir(final, prefix=TMP_PREFIX) as tmp:  # readers see a whole shard or none
         ds.save_to_disk(str(tmp))
     log.info("wrote %s (%d rows)", final.name, len(rows))
