@@ -238,10 +238,36 @@ def check_safetensors(path: Path) -> None:
                          "retrain the heads")
 
 
+# What a heads directory holds (and all a hub download of one fetches).
+HEADS_FILES = ("config.json", "model.safetensors", "README.md", "tune-tree.json")
+
+
+def heads_directory(heads: str | os.PathLike) -> Path:
+    """A local heads directory for ``heads``: the path itself, or, for a hub id (owner/name) that is no
+    local path, the hub's copy (downloaded once into the Hugging Face cache; offline, that cache)."""
+    path = Path(heads).expanduser()
+    text = str(heads)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return path
+    from .loading import _HUB_ID
+
+    if not _HUB_ID.match(text):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=[*HEADS_FILES, "lora/*"]))
+    except Exception as e:   # offline without a cached copy, unknown repo, no access: all one answer
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise FileNotFoundError(f"heads {text!r} is no local directory and the hub could not provide it ({reason[:160]}): "
+                                "pass a heads directory, or go online once to cache it") from None
+
+
 def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None = None) -> HeadsConfig:
     """A heads directory's config, checked without loading any tensor: the files are there and whole,
-    config.json is valid, and (given ``expect_kind``) the heads are of the kind the drafter needs."""
-    directory = Path(directory)
+    config.json is valid, and (given ``expect_kind``) the heads are of the kind the drafter needs.
+    ``directory`` may also be a hub id (see :func:`heads_directory`)."""
+    directory = heads_directory(directory)
     cfg_path, weights = directory / "config.json", directory / "model.safetensors"
     if not directory.is_dir():
         raise FileNotFoundError(f"heads directory {directory} does not exist: pass a directory from `selfspec train-heads`")
@@ -272,7 +298,7 @@ def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None =
 
 def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: str, device=None, dtype=None,
                model=None) -> Heads:
-    directory = Path(directory)
+    directory = heads_directory(directory)
     config = read_heads_config(directory, expect_kind=expect_kind)
     if config.base_fingerprint != fingerprint:
         raise ValueError(
