@@ -141,3 +141,7 @@ def test_training_killed_at_random_resumes_to_the_same_weights(kind, work, data)
     assert a.keys() == b.keys()
     for name in a:   # equal only if weights, optimizer moments, schedule and batch order all carried over
         torch.testing.assert_close(b[name], a[name], msg=name)
+    # A finished run is ready for a hub upload: its model card carries the hub's front matter.
+    card = (straight / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: selfspec\n")
+    assert f"# {straight.name}: " + ("distilled draft model" if kind == "draft" else f"{kind} heads") in card

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -208,6 +209,10 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
     result = train_draft(loaded.model, dataset, layers=args.layers, config=config, name=loaded.name,
                          eos_token_ids=eos, data_dir=str(data_dir), data_rows=rows, resume=args.resume,
                          progress=not args.no_progress)
+    if not result.interrupted and int(os.environ.get("RANK", "0")) == 0:
+        from .train import write_card_or_warn
+
+        write_card_or_warn(Path(config.out))
     print(result.summary(f"train-draft L={args.layers}"), flush=True)
     return result
 

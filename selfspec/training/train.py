@@ -331,6 +331,16 @@ def check_train_heads_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]
     return config, extra
 
 
+def write_card_or_warn(out: Path) -> None:
+    """The model card a hub upload needs; a run whose card cannot be written has still trained."""
+    from ..card import write_card
+
+    try:
+        write_card(out)
+    except Exception as e:   # e.g. a data directory moved since: say so, keep the heads
+        log.warning("heads saved, but their model card (README.md) was not written: %s", e)
+
+
 def run_train_heads(args: argparse.Namespace) -> TrainResult:
     """``selfspec train-heads``: check every flag, optionally generate data, train, print a one-line summary."""
     from ..loading import load_model
@@ -356,6 +366,8 @@ def run_train_heads(args: argparse.Namespace) -> TrainResult:
     eos = gen.read_meta(data_dir).get("eos_token_ids", [])
     result = train_heads(loaded.model, dataset, config=config, name=loaded.name, eos_token_ids=eos, data_dir=str(data_dir),
                          data_rows=rows, resume=args.resume, progress=not args.no_progress)
+    if not result.interrupted and int(os.environ.get("RANK", "0")) == 0:   # one card, from the main process
+        write_card_or_warn(Path(config.out))
     print(result.summary(f"train-heads {config.kind}"), flush=True)
     return result
 
