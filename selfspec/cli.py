@@ -139,6 +139,39 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def cmd_export_heads(args) -> int:
+    check_output_dir(args.out, force=args.force)
+    at_least(args.speculative_tokens, 1, "speculative_tokens")
+
+    from .export import check_export, export_heads
+    from .heads import read_heads_config
+    from .loading import check_model_name, model_config
+
+    model = args.model or read_heads_config(args.heads).base_model
+    check_model_name(model)
+    check_export(args.heads, args.format, num_layers=model_config(model).num_hidden_layers)
+    out = export_heads(args.heads, args.format, args.out, model=model, dtype=args.dtype,
+                       speculative_tokens=args.speculative_tokens)
+    print(f"wrote {args.heads} as {args.format} to {out}; {out}/README.md says how to serve it")
+    return 0
+
+
+def add_export_heads(p: argparse.ArgumentParser) -> None:
+    from .export import DTYPES, FORMATS
+
+    p.add_argument("--heads", required=True, help="a heads directory from `selfspec train-heads` (or a hub id)")
+    p.add_argument("--format", required=True, choices=list(FORMATS),
+                   help="eagle3-sglang (SGLang; vLLM loads it too), eagle3-speculators (vllm serve DIR), "
+                        "medusa-vllm, medusa-tgi")
+    p.add_argument("--out", required=True, help="a new directory to write")
+    p.add_argument("--model", default=None, help="the target (default: the model the heads were trained for)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="how floating tensors are stored")
+    p.add_argument("--speculative-tokens", type=int, default=3,
+                   help="eagle3-speculators: the draft length the config proposes to vLLM")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_export_heads)
+
+
 def setup_train_heads(p: argparse.ArgumentParser) -> None:
     from .training.train import add_train_heads_args, run_train_heads
 
@@ -193,6 +226,7 @@ def setup_synth(p: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "generate": ("generate text with self-speculative decoding, then print the stats", add_generate),
     "export": ("write the target's first L layers + norm + LM head as a standalone draft model", add_export),
+    "export-heads": ("write trained heads in the layout SGLang, vLLM or TGI loads", add_export_heads),
     "train-heads": ("fit Medusa heads, the early-exit head or an EAGLE head by self-distillation", setup_train_heads),
     "train-draft": ("distil the target's first L layers into a standalone draft model", setup_train_draft),
     "tune-tree": ("time candidate trees for trained heads on held-out prompts; keep the fastest", setup_tune),

@@ -263,6 +263,27 @@ def heads_directory(heads: str | os.PathLike) -> Path:
                                 "pass a heads directory, or go online once to cache it") from None
 
 
+def _is_eagle3(raw: dict) -> bool:
+    return "LlamaForCausalLMEagle3" in (raw.get("architectures") or []) or raw.get("speculators_model_type") == "eagle3"
+
+
+def _read_eagle3(directory: Path, raw: dict, expect_kind: str | None) -> HeadsConfig:
+    from .export.eagle3 import imported_config
+
+    if expect_kind is not None and expect_kind != "eagle":
+        raise _Refused(f"{directory} holds an EAGLE-3 draft, but the drafter is {expect_kind!r}: pass --drafter eagle")
+    try:
+        config = imported_config(raw, where=str(directory))
+        check_safetensors(directory / "model.safetensors")
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+    return config
+
+
+class _Refused(ValueError):
+    """A heads directory that is readable but not usable here: its message stands as it is."""
+
+
 def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None = None) -> HeadsConfig:
     """A heads directory's config, checked without loading any tensor: the files are there and whole,
     config.json is valid, and (given ``expect_kind``) the heads are of the kind the drafter needs.
@@ -278,12 +299,16 @@ def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None =
         raw = json.loads(cfg_path.read_text())
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
+        if _is_eagle3(raw):   # an EAGLE-3 draft exported by selfspec or trained elsewhere (SGLang / speculators layout)
+            return _read_eagle3(directory, raw, expect_kind)
         raw = _migrated(raw)
         known = set(HeadsConfig.__dataclass_fields__)
         config = HeadsConfig(**{**{k: v for k, v in raw.items() if k in known},
                                 "decode": DecodeSettings.from_json(raw.get("decode"))})
         if not isinstance(config.provenance, dict):
             raise ValueError("its provenance section must be a mapping")
+    except _Refused:
+        raise
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{cfg_path} is not a valid heads config ({reason}): copy the heads again or retrain them") from None
@@ -300,7 +325,14 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
                model=None) -> Heads:
     directory = heads_directory(directory)
     config = read_heads_config(directory, expect_kind=expect_kind)
-    if config.base_fingerprint != fingerprint:
+    imported = not config.base_fingerprint   # an EAGLE-3 directory: no fingerprint, its shapes are checked instead
+    if imported:
+        from .export.eagle3 import check_against_target
+
+        if model is None:
+            raise ValueError(f"{directory} is an EAGLE-3 draft: pass model= (the target) to load it")
+        check_against_target(config, model.config, str(directory))
+    elif config.base_fingerprint != fingerprint:
         raise ValueError(
             f"{directory} was trained for {config.base_model!r} (config fingerprint {config.base_fingerprint}), "
             f"which does not match this model (fingerprint {fingerprint}): train heads for this model with `selfspec train-heads`"
@@ -310,7 +342,12 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
     except Exception as e:  # safetensors raises its own SafetensorError (no ValueError) on a corrupt file
         raise ValueError(f"{directory}/model.safetensors could not be read ({type(e).__name__}): copy the heads "
                          "again or retrain them") from None
-    draft_vocab = tensors.pop("draft_vocab", None)
+    if imported:
+        from .export.eagle3 import imported_tensors
+
+        tensors, draft_vocab = imported_tensors(tensors, config)
+    else:
+        draft_vocab = tensors.pop("draft_vocab", None)
     module = build_heads(config, model=model)
     shared = shared_tensors(config)
     if shared:

@@ -1,0 +1,195 @@
+"""``selfspec export-heads``: every format read back by an independent reader (tests/engine_readers.py)
+gives selfspec's own draft logits; EAGLE-3 directories import back and decode exactly; what a format
+cannot hold is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import hf_greedy, tiny_model
+from engine_readers import Eagle3Draft, MedusaHeads
+from selfspec import cache as kv
+from selfspec.backbone import Backbone, config_fingerprint
+from selfspec.cli import main
+from selfspec.decode import prefill
+from selfspec.export import export_heads
+from selfspec.heads import load_heads, save_heads
+from selfspec.model import SelfSpeculativeModel, untrained_heads
+
+N_LAYERS = 8   # default aux layers 2, 4, 5: three of them, as EAGLE-3 engines need
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny llama target saved as a model directory (weights + tokenizer), as export-heads loads it."""
+    model = tiny_model("llama", seed=5, num_hidden_layers=N_LAYERS, rope_theta=5000.0)
+    path = tmp_path_factory.mktemp("target") / "tiny"
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(model.config.vocab_size)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w1", pad_token="w0").save_pretrained(path)
+    return model, path
+
+
+def _randomised(heads, seed: int, std: float = 0.1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return heads
+
+
+def _eagle_heads(model, path, tmp_path, *, draft_vocab: bool):
+    vocab = torch.tensor(sorted(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))[:40]
+                                .tolist())) if draft_vocab else None
+    heads = _randomised(untrained_heads("eagle", model, str(path), draft_vocab=vocab), seed=2)
+    save_heads(heads, tmp_path / "heads")
+    return load_heads(tmp_path / "heads", expect_kind="eagle", fingerprint=config_fingerprint(model.config), model=model)
+
+
+def _selfspec_eagle(heads, model, ids: torch.Tensor, next_token: int):
+    """selfspec's features and full-vocabulary draft logits: the committed slots of ``ids``, then one drafted slot."""
+    bb = Backbone(model)
+    out = prefill(bb, kv.new_cache(), ids, capture=tuple(heads.config.aux_layers))
+    head, T = heads.module, ids.shape[0]
+    feature = head.fuse(torch.cat(out.captured, -1))[:, :T - 1]
+    cache = kv.new_cache()
+
+    def run(f, tokens, positions):
+        states = head(f, bb.embed(tokens), position_embeddings=bb.rotary_emb(f, position_ids=positions[None]), cache=cache)
+        logits = head.logits(states)[0]
+        if heads.draft_vocab is None:
+            return states, logits
+        full = torch.full((logits.shape[0], model.config.vocab_size), float("-inf"))
+        full[:, heads.draft_vocab] = logits
+        return states, full
+
+    states, committed = run(feature, ids[1:], torch.arange(T - 1))
+    _, drafted = run(states[:, -1:], torch.tensor([next_token]), torch.tensor([T - 1]))
+    return feature[0], committed, drafted
+
+
+def _reader_eagle(directory, model, ids: torch.Tensor, next_token: int):
+    reader = Eagle3Draft(directory, target_embed=model.get_input_embeddings().weight)
+    hidden_states = model(ids[None], output_hidden_states=True).hidden_states
+    feature = reader.features(hidden_states)[:-1]
+    T = ids.shape[0]
+    h, committed = reader.step(feature, ids[1:], torch.arange(T - 1))
+    _, drafted = reader.step(h[-1:], torch.tensor([next_token]), torch.tensor([T - 1]))
+    return feature, committed, drafted
+
+
+@pytest.mark.parametrize("fmt", ["eagle3-sglang", "eagle3-speculators"])
+@pytest.mark.parametrize("draft_vocab", [True, False])
+@torch.no_grad()
+def test_eagle3_export_read_independently_gives_selfspecs_draft_logits(fmt, draft_vocab, target, tmp_path):
+    model, path = target
+    heads = _eagle_heads(model, path, tmp_path, draft_vocab=draft_vocab)
+    out = export_heads(tmp_path / "heads", fmt, tmp_path / "out", model=str(path))
+    ids = torch.tensor([3, 17, 42, 8, 61, 29, 5, 77, 12])
+    ours = _selfspec_eagle(heads, model, ids, next_token=33)
+    theirs = _reader_eagle(out, model, ids, next_token=33)
+    torch.testing.assert_close(theirs[0], ours[0], rtol=1e-4, atol=1e-4)     # the aux layers the engine captures
+    for a, b in zip(theirs[1:], ours[1:]):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))                   # the draft vocabulary, mapped by d2t
+        torch.testing.assert_close(a[~torch.isinf(a)], b[~torch.isinf(b)], rtol=1e-4, atol=1e-4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == (40 if draft_vocab else model.config.vocab_size)
+    assert "```bash" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("fmt", ["eagle3-sglang", "eagle3-speculators"])
+@torch.no_grad()
+def test_eagle3_directories_import_and_decode_exactly(fmt, target, tmp_path):
+    """from_pretrained(heads=an EAGLE-3 directory): same drafts as the heads it came from, exact output."""
+    model, path = target
+    heads = _eagle_heads(model, path, tmp_path, draft_vocab=True)
+    out = export_heads(tmp_path / "heads", fmt, tmp_path / "out", model=str(path))
+    imported = load_heads(out, expect_kind="eagle", fingerprint="ignored for EAGLE-3 directories", model=model)
+    assert imported.config.aux_layers == heads.config.aux_layers
+    assert torch.equal(imported.draft_vocab, heads.draft_vocab)
+    ids = torch.tensor([[3, 17, 42, 8, 61]])
+    runs = []
+    for h in (heads, imported):
+        sm = SelfSpeculativeModel(model, None, drafter_name="eagle", heads=h, name="tiny", tree="dynamic-3-2-4")
+        runs.append((sm.generate(ids, max_new_tokens=20), sm.last_stats.acceptance_by_depth))
+    assert torch.equal(runs[0][0], hf_greedy(model, ids, 20)) and torch.equal(runs[1][0], runs[0][0])
+    assert runs[1][1] == runs[0][1]                                          # identical drafts, step for step
+
+
+@pytest.mark.parametrize("fmt", ["medusa-vllm", "medusa-tgi"])
+@torch.no_grad()
+def test_medusa_export_read_independently_gives_selfspecs_draft_logits(fmt, target, tmp_path):
+    model, path = target
+    heads = _randomised(untrained_heads("medusa", model, str(path), token_input=False), seed=3)
+    if fmt == "medusa-vllm":   # vLLM keeps a draft vocabulary (token_map); TGI scores the full one
+        heads.draft_vocab = torch.arange(0, model.config.vocab_size, 3)
+        heads.config.draft_vocab_size = int(heads.draft_vocab.numel())
+    save_heads(heads, tmp_path / "heads")
+    heads = load_heads(tmp_path / "heads", expect_kind="medusa", fingerprint=config_fingerprint(model.config), model=model)
+    out = export_heads(tmp_path / "heads", fmt, tmp_path / "out", model=str(path))
+    bb = Backbone(model)
+    hidden = prefill(bb, kv.new_cache(), torch.tensor([4, 9, 22, 51]), capture=()).hidden[-1]   # post-norm, as served
+    rows = bb.lm_head.weight if heads.draft_vocab is None else bb.lm_head.weight[heads.draft_vocab]
+    logits = heads.module(hidden) @ rows.T
+    if heads.draft_vocab is not None:
+        full = torch.full((logits.shape[0], model.config.vocab_size), float("-inf"))
+        full[:, heads.draft_vocab] = logits
+        logits = full
+    theirs = MedusaHeads(out).logits(hidden)
+    assert torch.equal(torch.isinf(theirs), torch.isinf(logits))
+    torch.testing.assert_close(theirs[~torch.isinf(theirs)], logits[~torch.isinf(logits)], rtol=1e-5, atol=1e-5)
+
+
+def test_what_a_format_cannot_hold_is_refused_in_one_line(target, tmp_path, capsys):
+    model, path = target
+
+    def export(heads, fmt):
+        save_heads(heads, tmp_path / fmt / "heads")
+        code = main(["export-heads", "--heads", str(tmp_path / fmt / "heads"), "--format", fmt,
+                     "--out", str(tmp_path / fmt / "out"), "--model", str(path)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and not (tmp_path / fmt / "out").exists(), err
+        return err
+
+    assert "--token-input false" in export(untrained_heads("medusa", model, str(path), token_input=True), "medusa-vllm")
+    assert "--head-mlp" in export(untrained_heads("medusa", model, str(path), token_input=False, head_mlp=(8,)),
+                                  "medusa-tgi")
+    vocab = untrained_heads("medusa", model, str(path), token_input=False)
+    vocab.draft_vocab, vocab.config.draft_vocab_size = torch.arange(10), 10
+    assert "--draft-vocab-size 0" in export(vocab, "medusa-tgi")
+    final = untrained_heads("eagle", model, str(path), aux_layers=[2, 4, N_LAYERS])
+    assert f"--aux-layers 2,4,{N_LAYERS - 3}" in export(final, "eagle3-sglang")
+    assert "exactly 3" in export(untrained_heads("eagle", model, str(path), aux_layers=[2, 5]), "eagle3-speculators")
+    assert "holds medusa heads" in export(untrained_heads("early-exit", model, str(path)), "medusa-vllm")
+
+
+def test_export_heads_cli_writes_a_whole_directory(target, tmp_path, capsys):
+    model, path = target
+    save_heads(untrained_heads("eagle", model, str(path)), tmp_path / "h")
+    argv = ["export-heads", "--heads", str(tmp_path / "h"), "--format", "eagle3-speculators", "--out",
+            str(tmp_path / "o"), "--model", str(path), "--dtype", "bfloat16", "--speculative-tokens", "4"]
+    assert main(argv) == 0
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(path)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    capsys.readouterr()
+    assert main(argv) == 2 and "exists" in capsys.readouterr().err      # never over a directory without --force
+    assert main(argv + ["--force"]) == 0
+
+
+def test_shipped_heads_say_which_training_flag_makes_them_exportable(demo, capsys, tmp_path):
+    """The demo's shipped heads use what the engines cannot run; the refusal names the fix."""
+    from selfspec.shipped import shipped_heads
+
+    for kind, fmt, fix in (("eagle", "eagle3-sglang", "--aux-layers 2,15,27"),
+                           ("medusa", "medusa-vllm", "--token-input false")):
+        assert main(["export-heads", "--heads", str(shipped_heads("smollm2-135m", kind)), "--format", fmt,
+                     "--out", str(tmp_path / kind)]) == 2
+        assert fix in capsys.readouterr().err
