@@ -213,7 +213,8 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
         from .train import write_card_or_warn
 
         write_card_or_warn(Path(config.out))
-    print(result.summary(f"train-draft L={args.layers}"), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:   # one summary line, from the main process
+        print(result.summary(f"train-draft L={args.layers}"), flush=True)
     return result
 
 

@@ -92,7 +92,9 @@ def optimizer_loop(
 
     Each step takes ``config.grad_accum`` micro-batches; micro-batch i of step s is
     ``batch_indices(n_train, micro_step=s * grad_accum + i)`` split across processes, and
-    ``micro_loss(indices)`` returns its loss and batch. Gradients are clipped to norm 1, the
+    ``micro_loss(indices)`` returns its loss and batch. With several processes each one's loss is
+    divided by the whole micro-batch's counts (all-reduced), so that the averaged gradients are those
+    of one process running the whole batch. Gradients are clipped to norm 1, the
     scheduler moves once per step, ``evaluate_at(step)`` runs at step 0 and every ``eval_every``,
     ``save(state, wall_s)`` (main process only) every ``save_every`` and at the end. Ctrl-C stops
     at once; the last saved checkpoint stays as it was and the result is marked interrupted.
@@ -124,7 +126,11 @@ def optimizer_loop(
                                     batch_size=config.batch_size * world, seed=config.seed)
                 with accelerator.accumulate(module), accelerator.autocast():
                     r, batch = micro_loss(idx[rank::world])
-                    accelerator.backward(r.loss)
+                    loss = r.loss
+                    if world > 1:   # normalise by the global batch's counts: the same gradient as one process
+                        counts = accelerator.reduce(r.count.to(accelerator.device), "sum")
+                        loss = r.normalised(counts) * world
+                    accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(params, 1.0)
                     optimizer.step()      # a no-op until the last micro-batch of the step (accelerate)
@@ -172,7 +178,27 @@ def make_accelerator(model, *, grad_accum: int, mixed_precision: str = "auto"):
 
     use_cuda = next(model.parameters()).device.type == "cuda"
     mode = resolve_mixed_precision(mixed_precision, "cuda" if use_cuda else "cpu")
-    return Accelerator(mixed_precision=mode, gradient_accumulation_steps=grad_accum, cpu=not use_cuda)
+    accelerator = Accelerator(mixed_precision=mode, gradient_accumulation_steps=grad_accum, cpu=not use_cuda)
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        # Checkpoints are written from the unwrapped module, which a sharded run holds only in pieces.
+        raise ValueError(f"{kind} launches are not supported: heads and drafts are small enough for data "
+                         "parallelism; use training/accelerate/multi_gpu.yaml (DDP)")
+    return accelerator
+
+
+class Objective(torch.nn.Module):
+    """A task's loss as a module's ``forward``, wrapping the module it trains: data-parallel wrappers
+    (DDP, FSDP) synchronise gradients only for work done inside ``forward``, and a task may use its
+    module through other methods (the eagle head's ``fuse`` and ``ttt_step``)."""
+
+    def __init__(self, task, module: torch.nn.Module):
+        super().__init__()
+        self.task = task
+        self.module = module
+
+    def forward(self, batch, features=None) -> HeadLoss:
+        return self.task.loss(self.module, batch, features=features)
 
 
 def fit(
@@ -208,7 +234,7 @@ def fit(
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=min(config.warmup, config.steps),
                                                 num_training_steps=config.steps)
     # The scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it per process).
-    module, optimizer = accelerator.prepare(module, optimizer)
+    objective, optimizer = accelerator.prepare(Objective(task, module), optimizer)
     state = RunState()
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
@@ -219,13 +245,13 @@ def fit(
         log.info("resumed %s at step %d", out, state.step)
 
     device = accelerator.device
-    raw = accelerator.unwrap_model(module)
+    raw = accelerator.unwrap_model(objective).module
     train_seqs, eval_seqs = [seqs[i] for i in train_idx], [seqs[i] for i in eval_idx]
 
     def micro_loss(mine: list[int]) -> tuple[HeadLoss, Batch]:
         batch = collate([train_seqs[i] for i in mine], lead=task.lead)
         feats = None if features is None else features.gather([train_idx[i] for i in mine], device=device)
-        return task.loss(module, batch, features=feats), batch
+        return objective(batch, feats), batch
 
     def evaluate_at(step: int) -> EvalResult | None:
         return task.evaluate(raw, eval_seqs, step=step, autocast=accelerator.autocast, features=features,
@@ -243,7 +269,7 @@ def fit(
             task.save(raw, out, record=record(state, wall))
             atomic_torch_save(trainer_state, out / STATE_FILE)
 
-    return optimizer_loop(accelerator=accelerator, module=module, optimizer=optimizer, scheduler=scheduler,
+    return optimizer_loop(accelerator=accelerator, module=objective, optimizer=optimizer, scheduler=scheduler,
                           params=params, config=config, n_train=len(train_seqs), micro_loss=micro_loss,
                           evaluate_at=evaluate_at, save=save, state=state, out=out, desc=desc,
                           progress=progress, callback=callback)

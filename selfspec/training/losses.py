@@ -37,11 +37,20 @@ from torch.nn import functional as F
 class HeadLoss:
     """A loss and per-head diagnostics. Per-head tensors have shape (K,) (K = 1 for the exit head)."""
 
-    loss: torch.Tensor   # () weighted sum over heads; differentiable
+    loss: torch.Tensor   # () weighted sum over heads of each head's mean; differentiable
     kl: torch.Tensor     # (K,) mean KL(target || head) per head over its valid positions (detached)
     top1: torch.Tensor   # (K,) fraction of valid positions where head argmax == target argmax
     top5: torch.Tensor   # (K,) fraction where the target argmax is in the head's top 5
     count: torch.Tensor  # (K,) number of valid positions (weights for averaging over batches)
+    terms: torch.Tensor | None = None  # (K,) each head's weighted loss *sum* (loss = sum(terms / count)); differentiable
+
+    def normalised(self, counts: torch.Tensor) -> torch.Tensor:
+        """The loss with each head's sum divided by ``counts`` (K,) instead of this batch's own counts:
+        with the counts of the whole global batch (all processes), every process's share adds up to
+        exactly the single-process loss of that batch."""
+        if self.terms is None:
+            raise ValueError("this loss carries no per-head sums")
+        return (self.terms / counts.to(self.terms.device).clamp(min=1)).sum()
 
 
 def restrict_target(target_logits: torch.Tensor, vocab: torch.Tensor | None, v_sub: int) -> torch.Tensor:
@@ -102,6 +111,7 @@ def medusa_loss(
     target = restrict_target(target_logits, vocab, V)
     hard = to_subset_ids(hard_tokens, vocab) if hard_tokens is not None and hard_weight > 0 else None
     loss = head_logits.new_zeros((), dtype=torch.float32)
+    terms = [head_logits.new_zeros((), dtype=torch.float32) for _ in range(K)]
     stats = torch.zeros(4, K)  # kl, top1, top5, count
     for k in range(K):
         shift = k + 1
@@ -115,11 +125,13 @@ def medusa_loss(
         p = target[:, shift:][valid]                # (N, V_sub) target row t + k + 1
         y = hard[:, shift:][valid] if hard is not None else None
         kl, ce, top1, top5 = _pair_stats(h, p, y)
-        loss = loss + weight_decay_base**k * (kl + hard_weight * ce) / n
+        terms[k] = weight_decay_base**k * (kl + hard_weight * ce)
+        loss = loss + terms[k] / n
         stats[:, k] = torch.stack([kl.detach().cpu(), top1.cpu().float(), top5.cpu().float(), torch.tensor(float(n))])
     count = stats[3]
     denom = count.clamp(min=1)
-    return HeadLoss(loss=loss, kl=stats[0] / denom, top1=stats[1] / denom, top5=stats[2] / denom, count=count)
+    return HeadLoss(loss=loss, kl=stats[0] / denom, top1=stats[1] / denom, top5=stats[2] / denom, count=count,
+                    terms=torch.stack(terms))
 
 
 def exit_loss(
@@ -141,11 +153,13 @@ def exit_loss(
     n = int(mask.sum())
     if n == 0:
         zero = torch.zeros(1)
-        return HeadLoss(loss=exit_logits.sum() * 0.0, kl=zero, top1=zero, top5=zero, count=zero)
+        return HeadLoss(loss=exit_logits.sum() * 0.0, kl=zero, top1=zero, top5=zero, count=zero,
+                        terms=(exit_logits.sum() * 0.0).reshape(1))
     hard = None
     if hard_tokens is not None and hard_weight > 0:
         hard = to_subset_ids(hard_tokens, vocab)[mask]
     kl, ce, top1, top5 = _pair_stats(exit_logits[mask], target[mask], hard)
     loss = (kl + hard_weight * ce) / n
     return HeadLoss(loss=loss, kl=kl.detach().cpu().reshape(1) / n, top1=top1.cpu().float().reshape(1) / n,
-                    top5=top5.cpu().float().reshape(1) / n, count=torch.tensor([float(n)]))
+                    top5=top5.cpu().float().reshape(1) / n, count=torch.tensor([float(n)]),
+                    terms=(kl + hard_weight * ce).reshape(1))

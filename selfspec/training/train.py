@@ -368,7 +368,8 @@ def run_train_heads(args: argparse.Namespace) -> TrainResult:
                          data_rows=rows, resume=args.resume, progress=not args.no_progress)
     if not result.interrupted and int(os.environ.get("RANK", "0")) == 0:   # one card, from the main process
         write_card_or_warn(Path(config.out))
-    print(result.summary(f"train-heads {config.kind}"), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:   # one summary line, from the main process
+        print(result.summary(f"train-heads {config.kind}"), flush=True)
     return result
 
 

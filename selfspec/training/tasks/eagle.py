@@ -71,7 +71,7 @@ def ttt_loss(head: EagleHead, backbone: Backbone, ids: torch.Tensor, am: torch.T
         # slots go through the LM head (the draft-vocabulary logits dominate the head's cost).
         signal = F.pad(rows[:, 1:] & am[:, 1:].bool(), (0, 1))                # (B, L)
     past, total = [], feature.new_zeros(())
-    kls, top1s, top5s, counts = [], [], [], []
+    kls, top1s, top5s, counts, terms = [], [], [], [], []
     for j in range(steps):
         states, kv = head.ttt_step(feature, emb, position_embeddings=pos_emb, past=past)
         past.append(kv)
@@ -85,6 +85,7 @@ def ttt_loss(head: EagleHead, backbone: Backbone, ids: torch.Tensor, am: torch.T
             log_q = logits.float().log_softmax(-1)
             kl_sum = (log_p.exp() * (log_p - log_q)).sum()
             total = total + decay ** j * kl_sum / n
+            terms.append(decay ** j * kl_sum)
             with torch.no_grad():
                 want = log_p.argmax(-1)
                 top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
@@ -93,12 +94,13 @@ def ttt_loss(head: EagleHead, backbone: Backbone, ids: torch.Tensor, am: torch.T
                 kls.append(float(kl_sum))
         else:
             top1s.append(0.0), top5s.append(0.0), kls.append(0.0)
+            terms.append(states.sum() * 0.0)
         counts.append(float(n))
         # The next step's slot i reads this step's output at slot i - 1 (the draft's own state).
         feature = F.pad(states, (0, 0, 1, 0))[:, :L]
     c = torch.tensor(counts).clamp(min=1)
     return HeadLoss(loss=total, kl=torch.tensor(kls) / c, top1=torch.tensor(top1s) / c, top5=torch.tensor(top5s) / c,
-                    count=torch.tensor(counts))
+                    count=torch.tensor(counts), terms=torch.stack([t.float() for t in terms]))
 
 
 def response_rows(batch: Batch) -> torch.Tensor:
