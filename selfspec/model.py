@@ -120,7 +120,7 @@ class SelfSpeculativeModel:
                                         lookup=st.lookup)
         else:
             self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
-                                             vocab_size=self.backbone.vocab_size)
+                                             vocab_size=self.backbone.vocab_size, threshold=st.threshold)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -134,7 +134,7 @@ class SelfSpeculativeModel:
         ``medusa`` / ``early-exit`` / ``eagle``; None takes the shipped heads of the demo model, and for any
         other model gives untrained heads (output still exact, acceptance low) with a warning. draft_model: a model name/path
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
-        "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit only; each step
+        "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit / eagle / draft-model; each step
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
         the value ``selfspec tune-tree`` measured fastest, 0 for heads never tuned). gate: medusa only; a step
         whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;

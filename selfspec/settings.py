@@ -80,7 +80,7 @@ DRAFTER_SETTINGS: dict[str, DrafterSettings] = {
     "medusa": DrafterSettings(tree=MEDUSA_DEFAULT, threshold=0.0, gate=0.0, lookup=0),
     "early-exit": DrafterSettings(tree=DEFAULT_CHAIN_TREE, threshold=0.0),
     "eagle": DrafterSettings(tree=DEFAULT_EAGLE_TREE, threshold=0.0, lookup=0),
-    "draft-model": DrafterSettings(tree=DEFAULT_CHAIN_TREE),
+    "draft-model": DrafterSettings(tree=DEFAULT_CHAIN_TREE, threshold=0.0),
 }
 
 SETTING_KEYS = ("tree", "threshold", "gate", "lookup")
@@ -98,7 +98,7 @@ SETTING_HELP = {
 
 # What each setting is and may be (threshold is a probability; gate a token count; lookup a token count).
 _LIMITS = {"threshold": (0.0, 1.0), "gate": (0.0, float("inf")), "lookup": (0, float("inf"))}
-_TAKEN_BY = {"threshold": "the medusa, early-exit and eagle drafters", "gate": "the medusa drafter only",
+_TAKEN_BY = {"threshold": "the medusa, early-exit, eagle and draft-model drafters", "gate": "the medusa drafter only",
              "lookup": "the medusa, eagle and lookup drafters only", "tree": "the medusa, early-exit, eagle and draft-model drafters"}
 
 

@@ -186,6 +186,26 @@ def test_draft_model_identical_to_target_accepts_everything():
     assert stats.tau > 5.5
 
 
+@pytest.mark.parametrize("threshold", [0.004, 0.06])   # tiny random models: top probabilities ~0.05-0.1
+def test_confidence_stopped_draft_model_is_exact(threshold):
+    """A draft close to the target (partial acceptance) whose chain stops where it doubts itself:
+    its own cache must follow the drafts it actually fed, and the output stay plain greedy's."""
+    model = tiny_model("qwen2")
+    draft = tiny_model("qwen2")
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=4)
+    ref = hf_greedy(model, ids, N_NEW)
+    drafter = DraftModelDrafter(draft, build_tree(chain(5)), vocab_size=bb.vocab_size, threshold=threshold)
+    out, stats = _run(model, drafter, ids)
+    assert torch.equal(out, ref)
+    assert 0 < stats.drafted < stats.steps * 5            # some chains stopped early, some drafts proposed
+    assert stats.tau > 1.0
+
+
 def test_eos_and_max_new_tokens_are_respected():
     model = tiny_model("llama")
     ids = _prompt(model.config.vocab_size, seed=2)

@@ -62,7 +62,7 @@ def export_heads(heads_dir, fmt: str, out, *, model=None, dtype: str = "float32"
     from ..backbone import config_fingerprint
     from ..heads import load_heads
     from ..io import atomic_dir, atomic_write_text
-    from ..loading import DEMO_ALIASES, load_model, model_config
+    from ..loading import hub_id_of, load_model, model_config
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
@@ -72,7 +72,7 @@ def export_heads(heads_dir, fmt: str, out, *, model=None, dtype: str = "float32"
     loaded = load_model(model, device="cpu", dtype=torch.float32)
     heads = load_heads(heads_dir, expect_kind=config.kind, fingerprint=config_fingerprint(loaded.model.config),
                        device="cpu", dtype=torch.float32, model=loaded.model)
-    verifier = DEMO_ALIASES[loaded.name][2] if loaded.name in DEMO_ALIASES else loaded.name
+    verifier = hub_id_of(loaded.name)
     store = getattr(torch, dtype)
     target_lm_head = loaded.model.get_output_embeddings().weight
     if config.kind == "eagle":
