@@ -408,5 +408,6 @@ def test_ids_stored_as_uint16_load_as_int32_beside_older_int32_directories(tmp_p
         assert datasets.load_from_disk(str(p)).features["input_ids"].feature.dtype == "int32"
     both = load_distillation_data(f"{old},{tmp_path / 'new'}")
     assert both.features["input_ids"].feature.dtype == "int32"
+    assert not list(tmp_path.rglob("cache-*.arrow"))          # reading never writes into a data directory
     by_id = dict(zip(new["id"], new["input_ids"]))
     assert [by_id[i] for i in both["id"]] == list(both["input_ids"])   # same model, same prompts: the same rows

@@ -441,8 +441,8 @@ def load_distillation_data(spec, *, rows: list[int] | None = None) -> datasets.D
         ds = (datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards]) if shards
               else datasets.Dataset.from_dict({name: [] for name in _features()}, features=_features()))
         if ds.features != _features():   # stored as uint16: every reader sees int32, whatever the directory holds
-            with _datasets_progress_bars_off():
-                ds = ds.cast(_features())
+            with _datasets_progress_bars_off():   # in memory: never a cache file inside the data directory
+                ds = ds.cast(_features(), keep_in_memory=True)
         keep = rows[i] if rows is not None else cap
         if keep is not None and keep > len(ds):
             raise ValueError(f"{out_dir} holds {len(ds)} rows but the run used {keep}: pass the data it was trained on"
