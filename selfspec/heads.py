@@ -263,10 +263,6 @@ def heads_directory(heads: str | os.PathLike) -> Path:
                                 "pass a heads directory, or go online once to cache it") from None
 
 
-def _is_eagle3(raw: dict) -> bool:
-    return "LlamaForCausalLMEagle3" in (raw.get("architectures") or []) or raw.get("speculators_model_type") == "eagle3"
-
-
 def _read_eagle3(directory: Path, raw: dict, expect_kind: str | None) -> HeadsConfig:
     from .export.eagle3 import imported_config
 
@@ -299,7 +295,9 @@ def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None =
         raw = json.loads(cfg_path.read_text())
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-        if _is_eagle3(raw):   # an EAGLE-3 draft exported by selfspec or trained elsewhere (SGLang / speculators layout)
+        from .export.eagle3 import is_eagle3
+
+        if is_eagle3(raw):   # an EAGLE-3 draft exported by selfspec or trained elsewhere (SGLang / speculators layout)
             return _read_eagle3(directory, raw, expect_kind)
         raw = _migrated(raw)
         known = set(HeadsConfig.__dataclass_fields__)
@@ -325,7 +323,7 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
                model=None) -> Heads:
     directory = heads_directory(directory)
     config = read_heads_config(directory, expect_kind=expect_kind)
-    imported = not config.base_fingerprint   # an EAGLE-3 directory: no fingerprint, its shapes are checked instead
+    imported = "imported_from" in config.provenance   # an EAGLE-3 directory: no fingerprint, its shapes are checked instead
     if imported:
         from .export.eagle3 import check_against_target
 
