@@ -84,6 +84,9 @@ DATA_NOTES = {
                  "`selfspec gen-data --references`; the target's distributions over them are the teacher",
     "broad-self": "greedy answers (up to 160 tokens) to the broad prompt set, shuffled with seed 0, longest "
                   "prompts first (`scripts/train_demo_checkpoints.sh`, stage 4)",
+    "smollm2-135m-broad-self": "greedy answers (up to 160 tokens) to a prefix of the broad prompt set shuffled "
+                               "with seed 0 (QA over passages, summarisation, translation, maths, code, roleplay, "
+                               "writing, adversarial requests; `scripts/gen_broad_self.sh`)",
 }
 
 

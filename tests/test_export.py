@@ -193,3 +193,31 @@ def test_shipped_heads_say_which_training_flag_makes_them_exportable(demo, capsy
         assert main(["export-heads", "--heads", str(shipped_heads("smollm2-135m", kind)), "--format", fmt,
                      "--out", str(tmp_path / kind)]) == 2
         assert fix in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_shipped_portable_medusa_heads_run_in_vllms_layout(demo, tmp_path):
+    """The demo's engine-compatible Medusa heads, exported for vLLM: the independent reader gives
+    selfspec's draft logits on the real model's hidden state, and selfspec's own output stays exact."""
+    from selfspec.io import prompt_ids
+    from selfspec.shipped import shipped_heads
+
+    path = shipped_heads("smollm2-135m", "medusa").parent / "medusa-portable"
+    model = demo.model
+    heads = load_heads(path, expect_kind="medusa", fingerprint=config_fingerprint(model.config), model=model)
+    assert not heads.config.token_input and not any(heads.config.head_mlp)
+    out = export_heads(path, "medusa-vllm", tmp_path / "vllm")
+    bb = Backbone(model)
+    ids = torch.tensor(prompt_ids(demo.tokenizer, "Write a function that reverses a list.", chat=True))
+    hidden = prefill(bb, kv.new_cache(), ids, capture=()).hidden[-1]
+    logits = heads.module(hidden) @ bb.lm_head.weight[heads.draft_vocab].T
+    full = torch.full((logits.shape[0], model.config.vocab_size), float("-inf"))
+    full[:, heads.draft_vocab] = logits
+    theirs = MedusaHeads(out).logits(hidden)
+    assert torch.equal(torch.isinf(theirs), torch.isinf(full))
+    torch.testing.assert_close(theirs[~torch.isinf(theirs)], full[~torch.isinf(full)], rtol=1e-4, atol=1e-4)
+    sm = SelfSpeculativeModel(model, demo.tokenizer, drafter_name="medusa", heads=heads, name=demo.name)
+    got = sm.generate(ids[None], max_new_tokens=48)
+    assert torch.equal(got, model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=48,
+                                           do_sample=False, pad_token_id=demo.tokenizer.eos_token_id))
+    assert sm.last_stats.tau > 1.2
