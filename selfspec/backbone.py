@@ -2,8 +2,9 @@
 
 ``Backbone`` is a thin view over a Hugging Face causal LM of the Llama family shape
 (``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``model.lm_head``). It runs any
-slice of decoder layers with a caller-built 4-D additive mask, explicit position ids and a
-transformers ``DynamicCache``, all through the layers' public ``forward`` arguments. Nothing is
+slice of decoder layers with a caller-built 4-D additive mask, explicit position ids and a KV
+cache (``cache.KVCache``: anything with the ``update`` call the layers make), all through the
+layers' public ``forward`` arguments. Nothing is
 stored on the model and nothing is patched; the config is never rewritten.
 
 Running ``layers[a:b]`` is what lets early exit draft with the first E layers and lets the
@@ -12,17 +13,18 @@ verifier resume at layer E from the hidden states the draft already computed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-
 from .projection import Projection
 
 # Families whose decoder is embed -> layers -> norm -> lm_head with rotary embeddings shared by
-# all layers, and whose layers take (hidden, attention_mask, position_ids, past_key_values,
+# all layers, and whose layers take (hidden, attention_mask, position_ids, cache (past_key_values before
+# transformers renamed it),
 # position_embeddings). Gemma's embedding scale lives inside its embedding module.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 
@@ -77,7 +79,7 @@ class Backbone:
         return self.lm_head.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(n,) ids -> (1, n, H)."""
+        """(n,) ids -> (1, n, H); (B, n) ids -> (B, n, H) through ``embed_tokens``."""
         return self.embed_tokens(input_ids[None])
 
     def run_layers(
@@ -88,16 +90,16 @@ class Backbone:
         end: int,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        cache: DynamicCache,
+        cache,
     ) -> torch.Tensor:
-        """Run ``layers[start:end]`` on (1, n, H), appending their KV to ``cache``. Mask: (1, 1, n, kv_len) additive."""
+        """Run ``layers[start:end]`` on (B, n, H), appending their KV to ``cache``. Mask: (B, 1, n, kv_len) additive."""
         pos_emb = self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers[start:end]:
             hidden = layer(
                 hidden,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                **{cache_argument(layer): cache},
                 use_cache=True,
                 position_embeddings=pos_emb,
             )
@@ -127,6 +129,18 @@ class Backbone:
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """(..., H) final-normed states -> (..., V) logits, in the layout measured fastest (projection.py)."""
         return self.head(normed)
+
+
+def cache_argument(layer: torch.nn.Module) -> str:
+    """The name a decoder layer's forward takes its KV cache under: ``cache`` in current
+    transformers, ``past_key_values`` in releases before the rename (still accepted, with a warning,
+    until it is removed)."""
+    return _cache_argument(type(layer))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def config_fingerprint(config) -> str:

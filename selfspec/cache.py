@@ -1,54 +1,214 @@
-"""KV cache rollback with explicit units.
+"""The KV cache: selfspec's own, reached by the decoder layers through their public forward argument.
 
-The cache is transformers' own ``DynamicCache`` (passed through the model's public forward
-arguments); this module only adds the two operations speculative decoding needs after a step:
+A decoder layer of every supported family stores and reads its keys and values through one call,
+``cache.update(key, value, layer_idx, ...)``, which returns everything the new queries attend
+over. ``KVCache`` answers that call with preallocated buffers, one per layer, shaped
+(B, kv_heads, capacity, head_dim), and a length per layer and row. Nothing here touches a
+transformers cache class.
 
-* ``truncate(cache, new_len)``: keep the first ``new_len`` positions of every layer (a chain
-  drafter's cache after rejection);
-* ``keep(cache, start, indices)``: keep positions ``[0, start)`` plus ``start + indices`` of every
-  layer, in that order (compaction to the accepted path of a tree).
+Layout of a row: its tokens sit at slots [0, length) in order, so rows of different lengths
+(ragged prompts, different accepted paths) share one buffer with no holes. A batched forward
+writes each row's n new slots right after that row's own tokens and returns slots
+[0, max length + n): what lies beyond a row's own slots is stale and the caller's mask hides it
+(``decode.batch_mask``). A one-row forward through ``row(b)`` sees exactly that row's slots, so
+code written for one sequence (a drafter running layers on the target's cache) needs no mask.
 
-Layers may be at different lengths mid-step (early exit writes layers < E first); both operations
-act on each layer independently and leave every layer at the same length.
+After a verification step speculative decoding needs two operations, both per row and on every
+layer:
+
+* ``truncate(length)``: keep the first slots (a chain drafter's cache after a rejection);
+* ``keep(starts, paths)``: keep slots [0, start) plus ``start + path``, in order (the accepted
+  path of a tree, moved into place, gpt-fast style: a gather and a length update, no reallocation).
+
+Layers may be at different lengths mid-step (early exit writes layers < E first); every operation
+acts on each layer on its own and leaves every layer at the stated length.
+
+``capacity`` given up front makes the cache static (buffers never move; exceeding it is an
+error); without it the buffers grow by doubling, which is what one-off callers want.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 
-def new_cache() -> DynamicCache:
-    return DynamicCache()
+class KVCache:
+    def __init__(self, batch: int = 1, *, capacity: int | None = None):
+        if batch < 1:
+            raise ValueError(f"a cache needs at least one row (got batch={batch})")
+        self.batch = batch
+        self.static = capacity is not None
+        self.capacity = int(capacity) if capacity is not None else 64
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        self.lengths: list[list[int]] = []          # [layer][row], on the host: no device sync to read
+        self._index: dict = {}                       # (row lengths, n) -> write index, reused across layers
+
+    # ------------------------------------------------------------------ what the layers call
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append (B, kv_heads, n, head_dim) after each row's tokens; return slots [0, max length + n)."""
+        return self._write(layer_idx, key, value, rows=None)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest row of ``layer_idx`` (what one-sequence code means by the cache's length)."""
+        return max(self.lengths[layer_idx]) if layer_idx < len(self.lengths) else 0
+
+    # ------------------------------------------------------------------ rows
+    def row(self, b: int) -> "RowView":
+        """Row ``b`` as a one-sequence cache: writes go after that row's own tokens, reads see only them."""
+        return RowView(self, b)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only ``rows``, in that order (finished sequences leave the batch and stop costing work)."""
+        if rows == list(range(self.batch)):
+            return
+        idx = None
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                idx = torch.tensor(rows, device=k.device) if idx is None else idx
+                self.keys[i], self.values[i] = k.index_select(0, idx), self.values[i].index_select(0, idx)
+        self.lengths = [[lens[r] for r in rows] for lens in self.lengths]
+        self.batch = len(rows)
+        self._index.clear()
+
+    def layer(self, index: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of one layer and row, each (1, kv_heads, length, head_dim): views, for reading."""
+        n = self.lengths[index][row]
+        return self.keys[index][row:row + 1, :, :n], self.values[index][row:row + 1, :, :n]
+
+    def row_lengths(self, layer: int = 0) -> list[int]:
+        return list(self.lengths[layer]) if layer < len(self.lengths) else [0] * self.batch
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Every layer's row b now holds ``lengths[b]`` slots (shortening only: the slots must be there)."""
+        for layer in self.lengths:
+            for b, n in enumerate(lengths):
+                if n > layer[b]:
+                    raise ValueError(f"cannot extend row {b} to {n} slots: it holds {layer[b]}")
+                layer[b] = n
+
+    # ------------------------------------------------------------------ rollback
+    def truncate(self, length: int, row: int | None = None) -> None:
+        """Keep the first ``length`` slots of every layer (of one row, or of all rows)."""
+        for layer in self.lengths:
+            for b in range(self.batch) if row is None else (row,):
+                layer[b] = min(layer[b], length)
+
+    def keep(self, starts: list[int], paths: list[torch.Tensor]) -> None:
+        """Row b keeps slots [0, starts[b]) plus ``starts[b] + paths[b]``, in that order, on every layer.
+
+        paths[b]: (m_b,) long offsets (an accepted tree path, root first). A path 0, 1, .., m - 1 (a
+        chain prefix) moves nothing."""
+        moves = []
+        for b, (start, path) in enumerate(zip(starts, paths)):
+            m = int(path.shape[0])
+            if not bool((path.cpu() == torch.arange(m)).all()):
+                moves.append((b, start, path.to(torch.long)))
+        if moves:
+            M = max(int(p.shape[0]) for _, _, p in moves)
+            dev = next(k.device for k in self.keys if k is not None)
+            # Pad shorter paths by repeating their last offset: the extra writes land past the row's new length.
+            bi = torch.tensor([b for b, _, _ in moves], device=dev)[:, None].expand(-1, M)
+            src = torch.stack([torch.cat([p, p[-1:].expand(M - p.shape[0])]) + s for _, s, p in moves]).to(dev)
+            dst = torch.stack([torch.arange(M) + s for _, s, _ in moves]).to(dev)
+            for i, k in enumerate(self.keys):
+                if k is None:
+                    continue
+                for buf in (k, self.values[i]):
+                    buf[bi, :, dst] = buf[bi, :, src]     # the right side is gathered (copied) first
+        for layer in self.lengths:
+            for b, (start, path) in enumerate(zip(starts, paths)):
+                if layer[b] > start:
+                    layer[b] = start + int(path.shape[0])
+
+    # ------------------------------------------------------------------ storage
+    def _ensure(self, layer_idx: int, key: torch.Tensor, need: int) -> None:
+        while len(self.keys) <= layer_idx:
+            self.keys.append(None)
+            self.values.append(None)
+            self.lengths.append([0] * self.batch)
+        if self.keys[layer_idx] is None:
+            if need > self.capacity and not self.static:
+                self.capacity = max(need, 2 * self.capacity)
+            _, heads, _, dim = key.shape
+            shape = (self.batch, heads, self.capacity, dim)
+            self.keys[layer_idx] = key.new_zeros(shape)
+            self.values[layer_idx] = key.new_zeros(shape)
+        if need > self.keys[layer_idx].shape[2]:
+            if self.static:
+                raise ValueError(f"the static KV cache holds {self.capacity} positions; this step needs {need}: "
+                                 "give the cache a larger capacity")
+            self.capacity = max(need, 2 * self.keys[layer_idx].shape[2])
+            for store in (self.keys, self.values):
+                old = store[layer_idx]
+                grown = old.new_zeros(old.shape[0], old.shape[1], self.capacity, old.shape[3])
+                grown[:, :, : old.shape[2]] = old
+                store[layer_idx] = grown
+
+    def _write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, rows: int | None):
+        n = key.shape[2]
+        lens = self.lengths[layer_idx] if layer_idx < len(self.lengths) else [0] * self.batch
+        if rows is None:
+            if key.shape[0] != self.batch:
+                raise ValueError(f"a forward of {key.shape[0]} rows on a cache of {self.batch}")
+            top = max(lens) + n
+            self._ensure(layer_idx, key, top)
+            K, V, lens = self.keys[layer_idx], self.values[layer_idx], self.lengths[layer_idx]
+            if all(x == lens[0] for x in lens):        # equal rows (one row, or a fresh batch): a slice
+                K[:, :, lens[0]: lens[0] + n] = key
+                V[:, :, lens[0]: lens[0] + n] = value
+            else:
+                bi, ti = self._write_index(lens, n, key.device)
+                K[bi, :, ti] = key.transpose(1, 2)
+                V[bi, :, ti] = value.transpose(1, 2)
+            for b in range(self.batch):
+                lens[b] += n
+            return K[:, :, :top], V[:, :, :top]
+        b = rows
+        end = lens[b] + n
+        self._ensure(layer_idx, key, end)
+        K, V, lens = self.keys[layer_idx], self.values[layer_idx], self.lengths[layer_idx]
+        K[b:b + 1, :, lens[b]: end] = key
+        V[b:b + 1, :, lens[b]: end] = value
+        lens[b] = end
+        return K[b:b + 1, :, :end], V[b:b + 1, :, :end]
+
+    def _write_index(self, lens: list[int], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (tuple(lens), n)
+        if key not in self._index:
+            self._index.clear()
+            bi = torch.arange(self.batch, device=device)[:, None].expand(-1, n)
+            ti = torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
+            self._index[key] = (bi, ti)
+        return self._index[key]
 
 
-def seq_len(cache: DynamicCache, layer: int = 0) -> int:
-    if layer >= len(cache.layers):
-        return 0
-    return cache.layers[layer].get_seq_length()
+class RowView:
+    """One row of a ``KVCache`` as a one-sequence cache (what ``DecodeState.cache`` holds per row)."""
+
+    def __init__(self, cache: KVCache, row: int):
+        self.cache, self.index = cache, row
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.cache._write(layer_idx, key, value, rows=self.index)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        lens = self.cache.lengths
+        return lens[layer_idx][self.index] if layer_idx < len(lens) else 0
 
 
-def truncate(cache: DynamicCache, new_len: int) -> None:
-    for layer in cache.layers:
-        if layer.get_seq_length() > new_len:
-            layer.keys = layer.keys[..., :new_len, :]
-            layer.values = layer.values[..., :new_len, :]
+def new_cache(batch: int = 1, capacity: int | None = None) -> KVCache:
+    return KVCache(batch, capacity=capacity)
 
 
-def keep(cache: DynamicCache, start: int, indices: torch.Tensor) -> None:
-    """indices: (m,) long, offsets from ``start`` of the positions to keep (e.g. an accepted tree path)."""
-    indices = indices.to(torch.long)
-    m = indices.shape[0]
-    # A path 0, 1, ..., m - 1 (chain prefix) is a plain truncation: no gather, no copy.
-    if bool((indices == torch.arange(m, device=indices.device)).all()):
-        truncate(cache, start + m)
-        return
-    for layer in cache.layers:
-        if layer.get_seq_length() <= start:
-            continue
-        idx = (indices + start).to(layer.keys.device)
-        # Write the kept rows into place rather than concatenating: one small copy per layer.
-        layer.keys[..., start : start + m, :] = layer.keys.index_select(-2, idx)
-        layer.values[..., start : start + m, :] = layer.values.index_select(-2, idx)
-        layer.keys = layer.keys[..., : start + m, :]
-        layer.values = layer.values[..., : start + m, :]
+def seq_len(cache, layer: int = 0) -> int:
+    return cache.get_seq_length(layer)
+
+
+def truncate(cache: KVCache, new_len: int) -> None:
+    cache.truncate(new_len)
+
+
+def keep(cache: KVCache, start: int, indices: torch.Tensor) -> None:
+    """One row: keep slots [0, start) plus ``start + indices`` of every layer, in that order."""
+    cache.keep([start], [indices])

@@ -7,6 +7,7 @@ greedy decoding; rejection sampling makes sampled output follow the target's dis
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -15,16 +16,17 @@ import torch
 
 from . import cache as kv
 from .backbone import Backbone
+from .cache import KVCache
 from .drafters.base import DecodeState, Draft, Drafter, TargetOut
 from .sampling import SamplingParams, probs_from_logits, sample
-from .verify import Accepted, greedy_accept, rejection_accept_tree
+from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
 
 
 @dataclass
 class DecodeStats:
     new_tokens: int = 0
-    target_forwards: int = 0     # prefill + one per verification step
-    steps: int = 0               # verification steps
+    target_forwards: int = 0     # prefill + one per verification step (one pass serves every row)
+    steps: int = 0               # verification steps, summed over rows
     drafted: int = 0             # draft nodes verified (tree nodes bar the root), summed over steps
     accepted_hist: list[int] = field(default_factory=list)   # [a] = steps that accepted a drafts
     drafted_by_depth: list[int] = field(default_factory=list)
@@ -36,7 +38,7 @@ class DecodeStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verification step, bonus included (plain decoding: 1.0)."""
+        """Mean tokens a row commits per verification step, bonus included (plain decoding: 1.0)."""
         return sum((a + 1) * n for a, n in enumerate(self.accepted_hist)) / max(self.steps, 1)
 
     @property
@@ -51,7 +53,6 @@ class DecodeStats:
     def record(self, depth: int, num_accepted: int, nodes: int = 0) -> None:
         self.steps += 1
         self.drafted += nodes
-        self.target_forwards += 1
         for lst, n in ((self.accepted_hist, num_accepted + 1), (self.drafted_by_depth, depth),
                        (self.accepted_by_depth, depth)):
             lst.extend([0] * (n - len(lst)))
@@ -77,7 +78,7 @@ def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, cap
 
     Capture c is the hidden state after layer c, as transformers' ``output_hidden_states[c]``
     reports it: so c = N is the final state *after* the final norm. Returns (last hidden, pre-norm;
-    captured states in ``capture`` order, each (1, n, H))."""
+    captured states in ``capture`` order, each (B, n, H))."""
     N = backbone.num_layers
     got: dict[int, torch.Tensor] = {start: h}   # capturing ``start`` itself: the input
     at = start
@@ -89,17 +90,78 @@ def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, cap
     return h, tuple(got[c] for c in capture)
 
 
-def prefill(backbone: Backbone, cache, prompt: torch.Tensor, *, capture: tuple[int, ...] = ()) -> TargetOut:
-    """Run the prompt (n,) through the full target; logits only for the last position."""
-    # No mask: with an empty cache sdpa applies plain causal attention.
-    h, mid = _layers(backbone, backbone.embed(prompt), start=0, mask=None, cache=cache, capture=capture,
-                     position_ids=torch.arange(prompt.shape[0], device=prompt.device)[None])
-    normed = backbone.final_norm(h[:, -1:])
-    return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
+def batch_mask(visible: list[torch.Tensor], starts: list[int], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (B, 1, n, max(starts) + n) for a batched forward on a ``KVCache``.
+
+    Row b's tokens sit at slots [0, starts[b]) and its n new queries are written at starts[b]..;
+    visible[b]: (n_b, n_b) bool, which of the row's own first n_b new slots each of its first n_b
+    queries may see (a tree's ancestors, or causal). Every query sees its row's past; padding
+    queries (n_b <= i < n) see only themselves, so no row is all masked; stale slots are hidden."""
+    B, dev = len(starts), visible[0].device
+    S = max(starts) + n
+    vis = torch.zeros(B, n, S, dtype=torch.bool, device=dev)
+    diag = torch.arange(n, device=dev)
+    for b, (v, s) in enumerate(zip(visible, starts)):
+        m = v.shape[0]
+        vis[b, :, :s] = True
+        vis[b, diag[m:], s + diag[m:]] = True
+        vis[b, :m, s:s + m] = v
+    return torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill(~vis, torch.finfo(dtype).min)[:, None]
 
 
-def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:
-    """ONE full-depth target pass over every tree node. Returns logits/hidden (n, V)/(n, H)."""
+def prefill_rows(backbone: Backbone, cache: KVCache, prompts: list[torch.Tensor], *,
+                 capture: tuple[int, ...] = ()) -> list[TargetOut]:
+    """Run prompts (n_b,) through the full target in one batched pass (right-padded to the longest;
+    each row ends at its own length in the cache). Per row: logits for its last position only."""
+    lens = [int(p.shape[0]) for p in prompts]
+    L, dev = max(lens), backbone.device
+    ids = torch.stack([torch.cat([p, p.new_zeros(L - p.shape[0])]) for p in prompts]).to(dev)
+    if len(prompts) == 1:
+        mask = None   # one row, empty cache: sdpa's own causal attention
+    else:
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        mask = batch_mask([causal[:n, :n] for n in lens], [0] * len(lens), L, backbone.dtype)
+    h, mid = _layers(backbone, backbone.embed_tokens(ids), start=0, mask=mask, cache=cache, capture=capture,
+                     position_ids=torch.arange(L, device=dev)[None].expand(len(lens), -1))
+    cache.set_lengths(lens)
+    last = torch.tensor(lens, device=dev) - 1
+    normed = backbone.final_norm(h[torch.arange(len(lens), device=dev), last])      # (B, H)
+    logits = backbone.logits(normed)
+    return [TargetOut(logits=logits[b:b + 1], hidden=normed[b:b + 1], captured=tuple(c[b:b + 1, :n] for c in mid))
+            for b, n in enumerate(lens)]
+
+
+def prefill(backbone: Backbone, cache: KVCache, prompt: torch.Tensor, *, capture: tuple[int, ...] = ()) -> TargetOut:
+    """One prompt (n,) through the full target; logits only for the last position."""
+    return prefill_rows(backbone, cache, [prompt], capture=capture)[0]
+
+
+def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
+                capture: tuple[int, ...] = ()) -> list[TargetOut]:
+    """ONE full-depth target pass over every tree node of every row (trees padded to the largest).
+
+    Per row: logits/hidden (n_b, V)/(n_b, H), captured (1, n_b, H)."""
+    if len(drafts) == 1:
+        return [_verify_one(backbone, cache, pasts[0], drafts[0], capture=capture)]
+    dev = backbone.device
+    for b, d in enumerate(drafts):
+        if d.resume is not None:         # batched rows resume nowhere: drop the drafter's layer < E writes
+            cache.truncate(pasts[b], row=b)
+    sizes = [d.tree.size for d in drafts]
+    n = max(sizes)
+    tokens = torch.stack([torch.cat([d.tokens.to(dev), d.tokens.new_zeros(n - d.tree.size).to(dev)]) for d in drafts])
+    positions = torch.stack([torch.cat([d.tree.depths, d.tree.depths.new_zeros(n - d.tree.size)]).to(dev) + p
+                             for d, p in zip(drafts, pasts)])
+    mask = batch_mask([d.tree.ancestors.to(dev) for d in drafts], pasts, n, backbone.dtype)
+    h, mid = _layers(backbone, backbone.embed_tokens(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
+                     capture=capture)
+    normed = backbone.final_norm(h)
+    logits = backbone.logits(normed)
+    return [TargetOut(logits=logits[b, :m], hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
+            for b, m in enumerate(sizes)]
+
+
+def _verify_one(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:
     tree, tokens = draft.tree, draft.tokens.to(backbone.device)
     positions = tree.position_ids(past_len)
     # A lone root sees the whole cache: no mask needed (and sdpa takes its fast path).
@@ -123,10 +185,26 @@ def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, ca
     return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
 
 
-def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None) -> Accepted:
-    tokens = draft.tokens.to(out.logits.device)
+def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:
+    """ONE full-depth target pass over every node of one tree. Returns logits/hidden (n, V)/(n, H)."""
+    return verify_rows(backbone, cache, [past_len], [draft], capture=capture)[0]
+
+
+def accept_rows(drafts: list[Draft], outs: list[TargetOut], params: SamplingParams,
+                generator: torch.Generator | None) -> list[Accepted]:
+    """Each row's accepted path and bonus token: greedy as one batched tensor rule, sampling row by row."""
     if not params.do_sample:
-        return greedy_accept(draft.tree, tokens, out.logits.argmax(-1))
+        return greedy_accept_rows([d.tree for d in drafts], [d.tokens for d in drafts],
+                                  [o.logits.argmax(-1) for o in outs])
+    return [_sample_accept(d, o, params, generator) for d, o in zip(drafts, outs)]
+
+
+def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None) -> Accepted:
+    return accept_rows([draft], [out], params, generator)[0]
+
+
+def _sample_accept(draft: Draft, out: TargetOut, params: SamplingParams, generator) -> Accepted:
+    tokens = draft.tokens.to(out.logits.device)
     p = probs_from_logits(out.logits, params)
     if draft.q is None:  # nothing drafted: a plain sampling step
         return Accepted(path=(0,), bonus=int(sample(p[0], generator)))
@@ -134,69 +212,109 @@ def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torc
                                  generator=generator)
 
 
-def commit(state: DecodeState, draft: Draft, accepted: Accepted) -> list[int]:
-    """Keep the accepted path's KV (every layer), append its tokens and the bonus. Returns new tokens."""
-    past = state.past_len
-    path = torch.tensor(accepted.path, device=draft.tree.parents.device)
-    kv.keep(state.cache, past, path)
-    new = [int(t) for t in draft.tokens[list(accepted.path[1:])].tolist()] + [accepted.bonus]
-    state.ids.extend(new)
+def commit_rows(cache: KVCache, states: list[DecodeState], drafts: list[Draft], accepted: list[Accepted]) -> list[list[int]]:
+    """Keep each row's accepted path in the cache (every layer), append its tokens and the bonus."""
+    pasts = [s.past_len for s in states]
+    cache.keep(pasts, [torch.tensor(a.path) for a in accepted])
+    new = []
+    for s, d, a in zip(states, drafts, accepted):
+        toks = d.tokens[list(a.path[1:])].tolist() + [a.bonus]
+        s.ids.extend(int(t) for t in toks)
+        new.append([int(t) for t in toks])
     return new
 
 
 @torch.no_grad()   # never records autograd: a recorded graph would chain every step's activations via the cache
-def decode(
+def decode_rows(
     backbone: Backbone,
     drafter: Drafter,
-    prompt: torch.Tensor,
+    prompts: list[torch.Tensor],
     *,
     params: SamplingParams,
     max_new_tokens: int,
     eos_token_ids: set[int],
     generator: torch.Generator | None,
-    on_tokens: Callable[[list[int]], None] | None = None,
-) -> tuple[list[int], DecodeStats]:
-    """Generate up to ``max_new_tokens`` after ``prompt`` (n,). Returns (new tokens, stats)."""
-    stats = DecodeStats()
-    dev = backbone.device
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> tuple[list[list[int]], DecodeStats]:
+    """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
+
+    Each row drafts on its own (a copy of ``drafter`` per row beyond the first); one target pass
+    per step verifies every row's tree; each row accepts, commits and stops on its own, and a
+    finished row leaves the batch. Returns (new tokens per row, stats summed over rows)."""
+    B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
     t0 = time.perf_counter()
-    state = DecodeState(ids=prompt.tolist(), cache=kv.new_cache(), params=params, generator=generator)
-    out = prefill(backbone, state.cache, prompt.to(dev), capture=drafter.capture_layers)
-    first = int(out.logits[-1].argmax()) if not params.do_sample else int(
-        sample(probs_from_logits(out.logits[-1], params), generator))
-    state.ids.append(first)
-    drafter.begin(state, out)
+    cache = kv.new_cache(B)
+    drafters = [drafter] + [copy.copy(drafter) for _ in range(B - 1)]
+    states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator)
+              for b, p in enumerate(prompts)]
+    outs = prefill_rows(backbone, cache, [p.to(dev) for p in prompts], capture=drafter.capture_layers)
+    new: list[list[int]] = []
+    for b, (s, out) in enumerate(zip(states, outs)):
+        first = int(out.logits[-1].argmax()) if not params.do_sample else int(
+            sample(probs_from_logits(out.logits[-1], params), generator))
+        s.ids.append(first)
+        drafters[b].begin(s, out)
+        new.append(_take([first], max_new_tokens, eos_token_ids))
+        if on_tokens:
+            on_tokens(b, new[b])
     stats.target_forwards = 1
-    new = _take([first], max_new_tokens, eos_token_ids)
-    if on_tokens:
-        on_tokens(new)
+    live = [b for b in range(B) if _running(new[b], max_new_tokens, eos_token_ids)]
     _sync(dev)
     stats.prefill_s = time.perf_counter() - t0
 
-    while len(new) < max_new_tokens and new[-1] not in eos_token_ids:
+    while live:
+        live = _shrink(cache, states, live, B)
+        rows = [states[b] for b in live]
         t1 = time.perf_counter()
-        draft = drafter.draft(state)                                              # DRAFT
+        drafts = [drafters[b].draft(states[b]) for b in live]                       # DRAFT
         _sync(dev)
         t2 = time.perf_counter()
-        out = verify_forward(backbone, state.cache, state.past_len, draft,
-                             capture=drafter.capture_layers)                       # VERIFY
-        accepted = accept(draft, out, params, generator)                          # ACCEPT
-        committed = commit(state, draft, accepted)                                # COMMIT
-        drafter.commit(state, accepted, out)
+        outs = verify_rows(backbone, cache, [s.past_len for s in rows], drafts,
+                           capture=drafter.capture_layers)                            # VERIFY
+        accepted = accept_rows(drafts, outs, params, generator)                      # ACCEPT
+        committed = commit_rows(cache, rows, drafts, accepted)                       # COMMIT
+        for b, a, out in zip(live, accepted, outs):
+            drafters[b].commit(states[b], a, out)
         _sync(dev)
         stats.draft_s += t2 - t1
         stats.verify_s += time.perf_counter() - t2
-        stats.record(draft.tree.depth, accepted.num_accepted, draft.tree.size - 1)
-        emitted = _take(committed, max_new_tokens - len(new), eos_token_ids)
-        new.extend(emitted)
-        if on_tokens:
-            on_tokens(emitted)
+        stats.target_forwards += 1
+        for b, d, a, toks in zip(live, drafts, accepted, committed):
+            stats.record(d.tree.depth, a.num_accepted, d.tree.size - 1)
+            emitted = _take(toks, max_new_tokens - len(new[b]), eos_token_ids)
+            new[b].extend(emitted)
+            if on_tokens:
+                on_tokens(b, emitted)
+        live = [b for b in live if _running(new[b], max_new_tokens, eos_token_ids)]
 
     _sync(dev)
     stats.wall_s = time.perf_counter() - t0
-    stats.new_tokens = len(new)
+    stats.new_tokens = sum(len(x) for x in new)
     return new, stats
+
+
+def decode(backbone: Backbone, drafter: Drafter, prompt: torch.Tensor, *, params: SamplingParams, max_new_tokens: int,
+           eos_token_ids: set[int], generator: torch.Generator | None,
+           on_tokens: Callable[[list[int]], None] | None = None) -> tuple[list[int], DecodeStats]:
+    """One prompt (n,): ``decode_rows`` with a batch of one. Returns (new tokens, stats)."""
+    rows, stats = decode_rows(backbone, drafter, [prompt], params=params, max_new_tokens=max_new_tokens,
+                              eos_token_ids=eos_token_ids, generator=generator,
+                              on_tokens=None if on_tokens is None else (lambda _b, toks: on_tokens(toks)))
+    return rows[0], stats
+
+
+def _running(new: list[int], room: int, eos: set[int]) -> bool:
+    return len(new) < room and new[-1] not in eos
+
+
+def _shrink(cache: KVCache, states: list[DecodeState], live: list[int], batch: int) -> list[int]:
+    """Drop finished rows from the cache; each live row's state reads its (possibly new) cache row."""
+    if cache.batch != len(live):
+        cache.select([s.cache.index for s in (states[b] for b in live)])
+        for i, b in enumerate(live):
+            states[b].cache = cache.row(i)
+    return live
 
 
 def _take(tokens: list[int], room: int, eos: set[int]) -> list[int]:

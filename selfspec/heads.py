@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import __version__
+from .backbone import cache_argument
 from .io import atomic_path, atomic_write_text
 from .settings import DecodeSettings
 
@@ -157,8 +158,9 @@ class ExitLayerHead(nn.Module):
 
     def forward(self, hidden, *, position_embeddings, position_ids=None, attention_mask=None, cache=None):
         """(B, n, H) -> (B, n, H). Without a mask and cache, attention is causal over the n positions."""
-        return self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                          use_cache=cache is not None, position_embeddings=position_embeddings)
+        return self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
+                          **{cache_argument(self.layer): cache}, use_cache=cache is not None,
+                          position_embeddings=position_embeddings)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .backbone import Backbone, config_fingerprint
-from .decode import DecodeStats, decode
+from .decode import DecodeStats, decode_rows
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
                        check_drafter_name)
 from .drafters.eagle import parse_dynamic_tree
@@ -37,9 +37,44 @@ log = logging.getLogger(__name__)
 _IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id", "num_beams", "num_return_sequences"}
 
 
+def _prompt_rows(input_ids, attention_mask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """generate()'s input -> (each row's unpadded prompt, the (B, T) ids the output starts with;
+    None for a list of prompts, which the caller left-pads)."""
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids (tokenize your prompt first)")
+    if isinstance(input_ids, (list, tuple)) and input_ids and not isinstance(input_ids[0], int):
+        if attention_mask is not None:
+            raise ValueError("a list of prompts carries no padding: drop attention_mask, or pass one padded tensor")
+        rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in input_ids]
+        if any(r.numel() == 0 for r in rows):
+            raise ValueError("one of the prompts is empty: give each at least one token")
+        return rows, None
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (T,) or (batch, T); got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: give at least one prompt token")
+    if attention_mask is None:
+        return list(input_ids), input_ids
+    mask = torch.as_tensor(attention_mask).to(input_ids.device).bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}: they must match")
+    rows = []
+    for b in range(input_ids.shape[0]):
+        keep = mask[b].nonzero()[:, 0]
+        if keep.numel() == 0:
+            raise ValueError(f"row {b} of attention_mask is all padding: every prompt needs at least one token")
+        if int(keep[-1] - keep[0]) + 1 != keep.numel():
+            raise ValueError(f"row {b} of attention_mask has padding inside the prompt: pad on the left (or right) only")
+        rows.append(input_ids[b, keep])
+    return rows, input_ids
+
+
 @dataclass
 class GenerateOutput:
-    sequences: torch.Tensor   # (1, prompt + new)
+    sequences: torch.Tensor   # (B, prompt + new)
     stats: DecodeStats
 
 
@@ -212,26 +247,22 @@ class SelfSpeculativeModel:
                  temperature=None, top_k=None, top_p=None, eos_token_id=None, streamer=None,
                  generation_config=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
-        """Like transformers' ``generate`` for one sequence; returns (1, prompt + new) ids.
+        """Like transformers' ``generate``; returns (B, prompt + new) ids.
 
-        Greedy output is token-identical to the plain model's; sampled output has its exact
-        distribution. Pass ``generator=`` for reproducible sampling. Stats go to ``last_stats``.
+        input_ids: (T,) or (B, T), with ``attention_mask`` marking padding (left padding, as a
+        tokenizer with ``padding_side="left"`` gives it; right padding works too), or a list of
+        prompts of different lengths (lists or 1-D tensors; they come back left-padded with
+        ``pad_token_id``). Rows that finish early are padded on the right with ``pad_token_id``, as
+        transformers pads them. Every row's tokens are exactly the plain model's for that prompt
+        alone (greedy), or follow its distribution (sampling). Pass ``generator=`` for reproducible
+        sampling. Stats, summed over rows, go to ``last_stats``.
         """
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
             raise ValueError(f"generate() does not support {', '.join(sorted(unknown))}")
-        if input_ids is None:
-            raise ValueError("generate() needs input_ids (tokenize your prompt first)")
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"selfspec generates one sequence at a time; got input_ids of shape {tuple(input_ids.shape)} "
-                             "(batch size > 1 is not supported yet: loop over prompts)")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids is empty: give at least one prompt token")
-        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-            raise ValueError("attention_mask has padding: pass the prompt unpadded (batch size 1 needs no padding)")
+        prompts, input_ids = _prompt_rows(input_ids, attention_mask)
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError(f"a streamer takes one sequence; got a batch of {len(prompts)} (drop streamer= or pass one prompt)")
 
         gc = generation_config if generation_config is not None else self.model.generation_config
         pick = lambda given, attr, default: given if given is not None else (getattr(gc, attr, None) if getattr(gc, attr, None) is not None else default)  # noqa: E731
@@ -249,20 +280,29 @@ class SelfSpeculativeModel:
         eos_ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
 
         window = self.backbone.sliding_window
-        if window is not None and input_ids.shape[1] + max_new > window:
-            raise ValueError(f"prompt + max_new_tokens ({input_ids.shape[1] + max_new}) exceeds the model's sliding "
+        longest = max(int(p.shape[0]) for p in prompts)
+        if window is not None and longest + max_new > window:
+            raise ValueError(f"prompt + max_new_tokens ({longest + max_new}) exceeds the model's sliding "
                              f"window ({window}), which selfspec's tree masks do not implement")
+        pad = kwargs.get("pad_token_id", getattr(gc, "pad_token_id", None))
+        pad = int(pad) if pad is not None else (min(eos_ids) if eos_ids else 0)
+        if input_ids is None:   # a list of prompts: left-padded, as a tokenizer would
+            T = max(int(p.shape[0]) for p in prompts)
+            input_ids = torch.stack([torch.cat([p.new_full((T - p.shape[0],), pad), p]) for p in prompts])
 
-        prompt = input_ids[0].to(self.backbone.device)
+        dev = self.backbone.device
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        on_tokens = (lambda toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
-        new, stats = decode(self.backbone, self.drafter, prompt, params=params, max_new_tokens=int(max_new),
-                            eos_token_ids=eos_ids, generator=generator, on_tokens=on_tokens)
+        on_tokens = (lambda _row, toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
+        new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
+                                 max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
+                                 on_tokens=on_tokens)
         if streamer is not None:
             streamer.end()
         self.last_stats = stats
-        sequences = torch.cat([input_ids.to(prompt.device), torch.tensor([new], device=prompt.device)], dim=1)
+        width = max(len(x) for x in new)
+        tail = torch.tensor([x + [pad] * (width - len(x)) for x in new], device=dev, dtype=input_ids.dtype)
+        sequences = torch.cat([input_ids.to(dev), tail], dim=1)
         return GenerateOutput(sequences=sequences, stats=stats) if return_dict_in_generate else sequences
 
     def __repr__(self) -> str:

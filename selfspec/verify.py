@@ -28,18 +28,43 @@ class Accepted:
         return len(self.path) - 1
 
 
-def greedy_accept(tree: Tree, tokens: torch.Tensor, target_argmax: torch.Tensor) -> Accepted:
-    """Longest root path whose every token equals the target's argmax at its parent.
+def greedy_accept_rows(trees: list[Tree], tokens: list[torch.Tensor], target_argmax: list[torch.Tensor]) -> list[Accepted]:
+    """Per row: the longest root path whose every token equals the target's argmax at its parent.
 
-    tokens, target_argmax: (n,) long. Exact: the committed tokens are the ones plain greedy
-    decoding would produce, whatever the draft proposed.
+    Row b: tokens[b], target_argmax[b] (n_b,) long over trees[b]'s nodes. One batched tensor rule
+    over the rows (trees padded to the largest; padding never matches) and one host sync for all.
+    Exact: the committed tokens are the ones plain greedy decoding would produce, whatever the
+    draft proposed.
     """
-    match = tokens == target_argmax[tree.parents.clamp(min=0)]
-    match[0] = True
-    alive = ~(tree.ancestors & ~match[None, :]).any(dim=1)   # (n,) every node on the path matches
-    # The single host sync of a greedy step: which node to keep.
-    best = int(torch.argmax(torch.where(alive, tree.depths, -1)))
-    return Accepted(path=tree.path_to(best), bonus=int(target_argmax[best]))
+    B, n = len(trees), max(t.size for t in trees)
+    dev = target_argmax[0].device
+    if B == 1:
+        tree, tok, top = trees[0], tokens[0].to(dev), target_argmax[0]
+        match = tok == top[tree.parents.clamp(min=0)]
+        anc, depths = tree.ancestors[None], tree.depths[None]
+        match, top = match[None], top[None]
+    else:
+        pad = lambda x, fill: torch.cat([x.to(dev), x.new_full((n - x.shape[0],), fill).to(dev)])  # noqa: E731
+        top = torch.stack([pad(a, -1) for a in target_argmax])
+        parents = torch.stack([pad(t.parents.clamp(min=0), 0) for t in trees])
+        match = torch.stack([pad(x, -2) for x in tokens]) == top.gather(1, parents)
+        depths = torch.stack([pad(t.depths, -1) for t in trees])
+        anc = torch.zeros(B, n, n, dtype=torch.bool, device=dev)
+        for b, t in enumerate(trees):
+            anc[b, : t.size, : t.size] = t.ancestors.to(dev)
+        anc |= torch.eye(n, dtype=torch.bool, device=dev)
+    match[:, 0] = True
+    alive = ~(anc & ~match[:, None, :]).any(dim=2)            # (B, n) every node on the path matches
+    best = torch.argmax(torch.where(alive, depths, -1), dim=1)
+    bonus = top.gather(1, best[:, None])[:, 0]
+    # The single host sync of a greedy step: which node each row keeps.
+    best, bonus = best.tolist(), bonus.tolist()
+    return [Accepted(path=t.path_to(i), bonus=int(x)) for t, i, x in zip(trees, best, bonus)]
+
+
+def greedy_accept(tree: Tree, tokens: torch.Tensor, target_argmax: torch.Tensor) -> Accepted:
+    """``greedy_accept_rows`` for one tree: tokens, target_argmax (n,) long."""
+    return greedy_accept_rows([tree], [tokens], [target_argmax])[0]
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -24,12 +24,16 @@ def _sm(model, drafter="medusa", **kw):
                                 name="tiny", **kw)
 
 
-def test_batch_and_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors():
     sm = _sm(tiny_model())
-    with pytest.raises(ValueError, match="batch size > 1"):
-        sm.generate(torch.ones(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="padding"):
-        sm.generate(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="padding inside the prompt"):
+        sm.generate(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 0, 1, 1]]))
+    with pytest.raises(ValueError, match="all padding"):
+        sm.generate(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="must match"):
+        sm.generate(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="one sequence"):
+        sm.generate(torch.ones(2, 4, dtype=torch.long), streamer=object())
     with pytest.raises(ValueError, match="max_new_tokens"):
         sm.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=0)
     with pytest.raises(ValueError, match="does not support"):

@@ -202,8 +202,8 @@ def test_from_pretrained_bad_input(kwargs, error, match, d):
     ([[3, 4]], dict(max_new_tokens=0)),
     ([[3, 4]], dict(do_sample=True, temperature=0.7, top_p=1.5)),
     ([[3, 4]], dict(do_sample=True, temperature=-1.0)),
-    ([[3, 4], [5, 6]], {}),
-], ids=["empty-prompt", "zero-new-tokens", "top-p", "negative-temperature", "batch"])
+    ([[[3, 4], [5, 6]]], {}),
+], ids=["empty-prompt", "zero-new-tokens", "top-p", "negative-temperature", "three-dims"])
 def test_generate_bad_input(ids, kwargs, d, one_thread):
     from selfspec import SelfSpeculativeModel
 

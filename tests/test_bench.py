@@ -106,6 +106,36 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
     assert "sampling (T=0.7, top-p 1, top-k off)" in markdown(sampled).splitlines()[0]
 
 
+def test_batched_bench_rows_match_and_refusals_are_reported(tmp_path):
+    """--batch-size 3: ragged prompts in left-padded batches; every selfspec row equals hf-generate's,
+    transformers' assisted path (which refuses batches) is reported as refused, not dropped."""
+    model = tiny_model("llama")
+    draft = tiny_model("llama", seed=3, num_hidden_layers=1)
+    prompts = [Prompt(id=str(i), category="all", text=f"p{i}") for i in range(5)]
+
+    def encode(text):
+        i = int(text[1:])
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(3, 97, (1, 3 + 2 * i), generator=g)
+
+    names = parse_methods("hf-generate,hf-assisted,selfspec-ar,selfspec-medusa,selfspec-eagle")
+    methods, _ = build_methods(names, model=model, tokenizer=None, model_name="tiny", temperature=0.0, draft_model=draft)
+    results = run_bench(methods, prompts, encode, model=model, max_new_tokens=10, temperature=0.0, progress=False,
+                        batch_size=3)
+    assert "batch" in results["hf-assisted"]["refused"]
+    for name in ("selfspec-ar", "selfspec-medusa", "selfspec-eagle"):
+        assert results[name]["identical"] is True and results[name]["n_tokens"] == 50, name
+    alone = [model.generate(encode(p.text), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, -10:].tolist()
+             for p in prompts]
+    assert [methods[2].runs[p.id].tokens for p in prompts] == alone   # selfspec-ar's rows, each as if alone
+    result = {"config": {"model": "tiny", "device": "cpu", "dtype": "float32", "threads": 1, "prompts": "mem",
+                         "n_prompts": 5, "limit": None, "max_new_tokens": 10, "temperature": 0.0, "batch_size": 3},
+              "methods": results}
+    text = markdown(result)
+    assert "batches of 3" in text and "Refused batches of 3: hf-assisted" in text and "| hf-assisted |" not in text
+    write_report(result, tmp_path / "out")
+
+
 def test_bench_requires_the_baseline():
     m = Method(name="selfspec-ar", fn=lambda ids, n, g: ([1], None))
     with pytest.raises(ValueError, match="hf-generate"):

@@ -69,6 +69,24 @@ def test_demo_shipped_heads_identical_to_transformers(demo, references, drafter)
     assert sum(taus) / len(taus) > {"medusa": 1.2, "eagle": 1.1}.get(drafter, 1.02)
 
 
+@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+def test_demo_batch_rows_identical_to_each_prompt_alone(demo, references, drafter):
+    """The three prompts (different lengths) as one left-padded batch with the shipped heads: each row
+    is transformers' greedy output for that prompt alone."""
+    sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter=drafter, device=demo.model.device,
+                                              dtype=torch.float32)
+    rows = [ids[0] for ids, _ in references]
+    T = max(len(r) for r in rows)
+    pad = demo.tokenizer.eos_token_id
+    ids = torch.stack([torch.cat([r.new_full((T - len(r),), pad), r]) for r in rows])
+    mask = torch.stack([torch.cat([torch.zeros(T - len(r), dtype=torch.long), torch.ones(len(r), dtype=torch.long)])
+                        for r in rows]).to(ids.device)
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False)
+    for b, (prompt, ref) in enumerate(references):
+        alone = ref[0, prompt.shape[1]:].tolist()    # ends at EOS or after N_NEW; a batch row is padded after EOS
+        assert out[b, T:T + len(alone)].tolist() == alone, f"{drafter}: row {b} differs from its prompt alone"
+
+
 def test_demo_default_drafter_is_the_shipped_one(demo, references):
     """from_pretrained("smollm2-135m") with no drafter and no heads: the shipped default, trained, exact."""
     import warnings

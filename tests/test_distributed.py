@@ -80,8 +80,10 @@ def test_two_processes_train_what_one_process_trains_on_the_same_global_batch(ki
     out = _two_processes(module, [*kind_flags, *_flags(setup, two, batch=2)], setup["env"])
     assert out.count(" done: step 12") == 1                      # one summary, from the main process
     # Same global batch (2 x 2 = 4): the gradients are averaged over processes after each one's loss is
-    # divided by the whole batch's counts, so the weights match one process's to float rounding.
-    _close(one, two, atol=1e-5)
+    # divided by the whole batch's counts, so the weights match one process's to float rounding. The draft
+    # trains every weight of a model with Adam, whose step on a near-zero gradient is +-lr whatever its
+    # rounding: 1.5e-5 apart on one CPU here, against 3e-3 per step for a wrongly split batch.
+    _close(one, two, atol=1e-4 if kind == "draft" else 1e-5)
     files = sorted(p.name for p in two.iterdir())
     assert files == sorted(p.name for p in one.iterdir()) and not [f for f in files if f.startswith(".tmp")]
     last = lambda text: [ln for ln in text.splitlines() if "eval step 12" in ln][-1]  # noqa: E731

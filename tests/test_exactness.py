@@ -250,7 +250,7 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, thresh
         assert stats.tau > 2.0  # deep acceptance: the commit path that fills in unseen nodes is exercised
     if threshold > 0:
         assert 0 < stats.drafted < stats.steps * len(tree)   # chains cut at varying depths
-    seq = out[:, : drafter.adapter_cache.layers[0].keys.shape[2]]
+    seq = out[:, : drafter.adapter_cache.layer(0)[0].shape[2]]
     with torch.no_grad():
         h_e = model(seq, output_hidden_states=True).hidden_states[3]
         pos = torch.arange(seq.shape[1])[None]
@@ -258,8 +258,8 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, thresh
         drafter.heads.module(h_e, position_embeddings=bb.rotary_emb(h_e, position_ids=pos), position_ids=pos,
                              cache=fresh)
     n = seq.shape[1]
-    torch.testing.assert_close(drafter.adapter_cache.layers[0].keys[:, :, :n], fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(drafter.adapter_cache.layers[0].values[:, :, :n], fresh.layers[0].values, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.adapter_cache.layer(0)[0][:, :, :n], fresh.layer(0)[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.adapter_cache.layer(0)[1][:, :, :n], fresh.layer(0)[1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["linear", "weight-major"])

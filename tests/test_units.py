@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from selfspec import cache as kv
 from selfspec.sampling import SamplingParams, pick_candidates, probs_from_logits
@@ -48,12 +47,18 @@ def test_named_trees():
     assert build_tree(chain(3)).is_chain and not build_tree(t).is_chain
 
 
-def _cache(n_layers=2, length=6):
-    c = DynamicCache()
+def _cache(n_layers=2, length=6, batch=1, capacity=None):
+    """Slot p of layer l holds p + 100 l (keys) and its negative (values); row r adds 1000 r."""
+    c = kv.KVCache(batch, capacity=capacity)
     for layer in range(n_layers):
-        k = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1).expand(1, 2, length, 3) + 100 * layer
+        k = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1).expand(batch, 2, length, 3) + 100 * layer
+        k = k + 1000 * torch.arange(batch, dtype=torch.float32).view(batch, 1, 1, 1)
         c.update(k.clone(), (-k).clone(), layer)
     return c
+
+
+def _slots(c, layer, row=0):
+    return [int(x) for x in c.layer(layer, row)[0][0, 0, :, 0].tolist()]
 
 
 def test_cache_truncate_and_keep():
@@ -63,22 +68,52 @@ def test_cache_truncate_and_keep():
     c = _cache()
     kv.keep(c, 2, torch.tensor([0, 2, 3]))   # keep positions 0, 1 | 2, 4, 5
     for layer in range(2):
-        assert c.layers[layer].keys[0, 0, :, 0].tolist() == [p + 100 * layer for p in (0, 1, 2, 4, 5)]
-        assert c.layers[layer].values[0, 1, :, 2].tolist() == [-(p + 100 * layer) for p in (0, 1, 2, 4, 5)]
+        assert _slots(c, layer) == [p + 100 * layer for p in (0, 1, 2, 4, 5)]
+        assert c.layer(layer)[1][0, 1, :, 2].tolist() == [-(p + 100 * layer) for p in (0, 1, 2, 4, 5)]
     c = _cache()
     kv.keep(c, 2, torch.tensor([0, 1]))      # a chain prefix is a plain truncation
-    assert c.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3]
+    assert _slots(c, 0) == [0, 1, 2, 3]
 
 
 def test_cache_keep_with_layers_at_different_lengths():
     """Early exit leaves layers < E longer than the rest mid-step; compaction must handle both."""
-    c = _cache(length=6)
-    kv.truncate(c, 6)
-    c.layers[1].keys = c.layers[1].keys[..., :4, :]
-    c.layers[1].values = c.layers[1].values[..., :4, :]
+    c = _cache(length=4)
+    k = torch.tensor([4.0, 5.0]).view(1, 1, 2, 1).expand(1, 2, 2, 3)
+    c.update(k.clone(), (-k).clone(), 0)         # layer 0 runs ahead, as an early-exit draft leaves it
     kv.keep(c, 1, torch.tensor([0, 2]))
-    assert c.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 3]
-    assert c.layers[1].keys[0, 0, :, 0].tolist() == [100, 101, 103]
+    assert _slots(c, 0) == [0, 1, 3]
+    assert _slots(c, 1) == [100, 101, 103]
+
+
+def test_cache_rows_keep_their_own_lengths_and_paths():
+    """Rows of one batch: ragged writes after each row's own tokens, per-row paths, rows leaving."""
+    c = _cache(batch=3, length=6)
+    c.set_lengths([6, 3, 5])                     # ragged prompts: rows end at their own lengths
+    k = torch.full((3, 2, 2, 3), 7.0) + torch.tensor([0.0, 10, 20]).view(3, 1, 1, 1)
+    keys, _ = c.update(k, -k, 0)
+    assert keys.shape[2] == 8                    # the longest row (6) + 2 new slots
+    assert _slots(c, 0, 1) == [1000, 1001, 1002, 17, 17]      # written right after row 1's own 3 slots
+    c.update(k, -k, 1)
+    c.keep([6, 3, 5], [torch.tensor([0]), torch.tensor([1]), torch.tensor([0, 1])])
+    assert [c.lengths[0][b] for b in range(3)] == [7, 4, 7]
+    assert _slots(c, 0, 0) == [0, 1, 2, 3, 4, 5, 7]
+    assert _slots(c, 0, 1) == [1000, 1001, 1002, 17]          # slot 1 of the new block moved into place
+    assert _slots(c, 1, 2) == [2100, 2101, 2102, 2103, 2104, 27, 27]
+    c.select([2, 0])                             # row 1 finished
+    assert c.batch == 2 and _slots(c, 0, 0)[:5] == [2000, 2001, 2002, 2003, 2004] and _slots(c, 0, 1)[-1] == 7
+    view = c.row(1)
+    one = torch.full((1, 2, 1, 3), 9.0)
+    keys, _ = view.update(one, -one, 0)          # a one-row forward sees that row's slots only
+    assert keys.shape == (1, 2, 8, 3) and view.get_seq_length(0) == 8 and c.lengths[0] == [7, 8]
+
+
+def test_static_cache_refuses_to_grow_and_dynamic_grows():
+    c = _cache(length=6, capacity=8)
+    with pytest.raises(ValueError, match="holds 8 positions"):
+        c.update(torch.zeros(1, 2, 3, 3), torch.zeros(1, 2, 3, 3), 0)
+    d = _cache(length=6)
+    d.update(torch.ones(1, 2, 100, 3), torch.ones(1, 2, 100, 3), 0)
+    assert d.get_seq_length(0) == 106 and _slots(d, 0)[:7] == [0, 1, 2, 3, 4, 5, 1]
 
 
 def test_greedy_accept_hand_built():

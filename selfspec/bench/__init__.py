@@ -37,6 +37,8 @@ def add_bench_args(p) -> None:
         for key in SETTING_KEYS:
             if getattr(DRAFTER_SETTINGS[drafter], key) is not None:
                 p.add_argument(f"--{prefix}-{key}", default="auto", help=f"{drafter}: {SETTING_HELP[key]}")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts per generate call (left-padded batches, file order); methods that refuse batches are reported as refused")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -52,6 +54,7 @@ def check_bench_args(args) -> list[str]:
     at_least(args.sample, 1, "sample")
     at_least(args.max_new_tokens, 1, "max_new_tokens")
     at_least(args.threads, 1, "threads")
+    at_least(args.batch_size, 1, "batch_size")
     check_sampling(temperature=args.temperature)
     if args.out:
         check_output_dir(args.out, force=args.force)
@@ -107,14 +110,14 @@ def run_bench_cli(args) -> int:
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     results = run_bench(methods, prompts, lambda text: torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)]),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        seed=args.seed, progress=not args.json)
+                        seed=args.seed, progress=not args.json, batch_size=args.batch_size)
     p = loaded.model.get_output_embeddings().weight
     result = {
         "config": {
             "model": loaded.name, "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
             "sample": args.sample,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "batch_size": args.batch_size,
             "decoding": decoding_mode(args.temperature), "chat_template": chat,
             "methods": names, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),

@@ -52,11 +52,13 @@ class Run:
 
 @dataclass
 class Method:
-    """A named way to generate: ``fn(ids (1, n), max_new_tokens, generator) -> (new tokens, stats|None)``."""
+    """A named way to generate: ``fn(batch: [ids (1, n_b)], max_new_tokens, generator) -> ([new tokens per
+    row], stats|None)``; a batch of one is the classic single-prompt call."""
 
     name: str
     fn: Callable
     runs: dict[str, Run] = field(default_factory=dict)
+    refused: str | None = None   # why the method would not take a batch (transformers' own refusal)
 
 
 def load_prompts(path: str | Path, *, limit: int | None = None, sample: int | None = None, seed: int = 0) -> list[Prompt]:
@@ -169,8 +171,13 @@ def run_bench(
     temperature: float,
     seed: int = 0,
     progress: bool = True,
+    batch_size: int = 1,
 ) -> dict:
-    """Run every method on every prompt (interleaved) and return the results dict (see ``summarise``)."""
+    """Run every method on every prompt (interleaved) and return the results dict (see ``summarise``).
+
+    batch_size B > 1: prompts go in batches of B (file order); each batch is one call of each
+    method, its wall time shared equally by its rows. A method that refuses batches (transformers'
+    assisted paths do) is reported as refused, not dropped silently."""
     from tqdm.auto import tqdm
 
     device = Backbone(model).device
@@ -183,21 +190,31 @@ def run_bench(
     def generator(pid: str) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed + zlib.crc32(pid.encode()) % 10_000)
 
-    warm = encoded[prompts[0].id]
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    warm = [encoded[p.id] for p in batches[0]]
     for m in methods:  # warm-up: kernels, allocator, caches
-        m.fn(warm, min(16, max_new_tokens), generator("warmup"))
+        try:
+            m.fn(warm, min(16, max_new_tokens), generator("warmup"))
+        except (ValueError, NotImplementedError) as e:
+            if len(warm) == 1 or m.name == BASELINE:
+                raise
+            m.refused = str(e).splitlines()[0]
+    methods = [m for m in methods if m.refused is None]
+    names = [m.name for m in methods]
 
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress, unit="run")
-    for i, p in enumerate(prompts):
+    bar = tqdm(total=len(batches) * len(methods), desc="bench", disable=not progress, unit="run")
+    for i, batch in enumerate(batches):
         for name in interleaved_order(names, i):
             m = by_name[name]
             _reset_peak(device)
             _sync(device)
             t0 = time.perf_counter()
-            tokens, stats = m.fn(encoded[p.id], max_new_tokens, generator(p.id))
+            rows, stats = m.fn([encoded[p.id] for p in batch], max_new_tokens, generator(batch[0].id))
             _sync(device)
             wall = time.perf_counter() - t0
-            m.runs[p.id] = Run(tokens=list(tokens), wall_s=wall, stats=stats, peak_mb=_peak_mb(device))
+            for j, (p, tokens) in enumerate(zip(batch, rows)):   # the batch's stats go with its first row
+                m.runs[p.id] = Run(tokens=list(tokens), wall_s=wall / len(batch), stats=stats if j == 0 else None,
+                                   peak_mb=_peak_mb(device))
             bar.update(1)
     bar.close()
 
@@ -212,7 +229,11 @@ def run_bench(
     comparisons = {
         m.name: compare_to_baseline(by_name[BASELINE].runs, m.runs, margin) for m in methods
     } if greedy else {}
-    return summarise(methods, prompts, comparisons)
+    results = summarise(methods, prompts, comparisons)
+    for m in by_name.values():
+        if m.refused is not None:
+            results[m.name] = {"refused": m.refused}
+    return results
 
 
 def _agg(runs: list[Run]) -> dict:

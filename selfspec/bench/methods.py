@@ -17,6 +17,16 @@ from .harness import ALIASES, ALL_METHODS, BASELINE, Method
 PROMPT_LOOKUP_TOKENS = 10
 
 
+def left_padded(batch: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (1, n_b) -> (B, T) ids left-padded with ``pad`` and their attention mask, as a tokenizer
+    with padding_side="left" gives them (one prompt: itself, no padding)."""
+    T = max(x.shape[1] for x in batch)
+    ids = torch.cat([torch.cat([x.new_full((1, T - x.shape[1]), pad), x], dim=1) for x in batch])
+    mask = torch.cat([torch.cat([torch.zeros_like(x[:, :1]).expand(1, T - x.shape[1]), torch.ones_like(x)], dim=1)
+                      for x in batch])
+    return ids, mask
+
+
 def parse_methods(spec: str | None) -> list[str]:
     """"all" or a comma list -> method names, old names mapped to today's (once each), baseline first if not given."""
     names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
@@ -72,23 +82,35 @@ def build_methods(
     pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
     if isinstance(pad, list):
         pad = pad[0]
+    pad = 0 if pad is None else int(pad)
     notes: dict = {}
     n_layers = model.config.num_hidden_layers
 
+    eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sampling else dict(do_sample=False)
+
+    def rows_of(out: torch.Tensor, width: int) -> list[list[int]]:
+        """Each row's new tokens: up to its first EOS (kept); after it come only pads."""
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos_ids), None)
+            rows.append(row if cut is None else row[: cut + 1])
+        return rows
+
     def hf(**extra):
-        def fn(ids, n, gen):
+        def fn(batch, n, gen):
             if sampling:
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))  # transformers samples with the global RNG
-            kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sampling else dict(do_sample=False)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, pad_token_id=pad, **kw, **extra)
-            return out[0, ids.shape[1]:].tolist(), None
+            ids, mask = left_padded(batch, pad)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad, **kw, **extra)
+            return rows_of(out, ids.shape[1]), None
         return fn
 
     def ours(sm: SelfSpeculativeModel):
-        def fn(ids, n, gen):
-            kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sampling else dict(do_sample=False)
-            out = sm.generate(ids, max_new_tokens=n, generator=gen, **kw)
-            return out[0, ids.shape[1]:].tolist(), sm.last_stats
+        def fn(batch, n, gen):
+            ids, mask = left_padded(batch, pad)
+            out = sm.generate(ids, attention_mask=mask, max_new_tokens=n, generator=gen, pad_token_id=pad, **kw)
+            return rows_of(out, ids.shape[1]), sm.last_stats
         return fn
 
     loaded_heads = {}   # heads loaded once per kind, shared by a method and its "-heads" variant

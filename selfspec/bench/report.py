@@ -22,11 +22,13 @@ def decoding_mode(temperature: float, *, top_p: float = 1.0, top_k: int = 0) -> 
 
 
 def markdown(result: dict) -> str:
-    cfg, methods = result["config"], result["methods"]
+    cfg, methods = result["config"], ran(result)
     mode = cfg.get("decoding") or decoding_mode(cfg["temperature"])  # results from before the field existed
+    B = cfg.get("batch_size", 1)
     lines = [
         f"model `{cfg['model']}`, {cfg['device']} ({cfg['threads']} threads), {cfg['dtype']}, "
-        f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, {mode}",
+        f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, {mode}"
+        + (f", batches of {B} (tokens/s: all rows together; per row: divide by {B})" if B > 1 else ""),
         "",
         "| method | tokens/s | speedup | median speedup | vs selfspec-ar | tau | drafts verified / step "
         "| acceptance by depth | draft / verify share | peak MB | identical |",
@@ -49,13 +51,21 @@ def markdown(result: dict) -> str:
                   "|---|" + "---|" * len(cats)]
         for name, m in methods.items():
             lines.append(f"| {name} | " + " | ".join(f"{_f(m['per_category'][c]['speedup'])}x" for c in cats) + " |")
+    refused = {n: m["refused"] for n, m in result["methods"].items() if "refused" in m}
+    if refused:
+        lines += ["", f"Refused batches of {B}: " + "; ".join(f"{n} ({why})" for n, why in refused.items())]
     return "\n".join(lines) + "\n"
+
+
+def ran(result: dict) -> dict:
+    """The methods that ran (those that refused a batch hold only ``refused``)."""
+    return {n: m for n, m in result["methods"].items() if "refused" not in m}
 
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
 
-    methods = result["methods"]
+    methods = ran(result)
     names = list(methods)
     cats = sorted({c for m in methods.values() for c in m["per_category"]})
     groups = ["all"] + cats if len(cats) > 1 else ["all"]
@@ -84,7 +94,7 @@ def plot_acceptance(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = 0
-    for name, m in result["methods"].items():
+    for name, m in ran(result).items():
         acc = m.get("acceptance_by_depth") or []
         if acc:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
@@ -102,7 +112,7 @@ def plot_speed_tau(result: dict, path: Path) -> None:
     """Speed-up against tau: how far above the diagonal a drafter is says what its drafting costs."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, m in result["methods"].items():
+    for name, m in ran(result).items():
         if m.get("tau") is not None and m.get("speedup") is not None:
             ax.scatter(m["tau"], m["speedup"])
             ax.annotate(name, (m["tau"], m["speedup"]), fontsize=8, xytext=(4, 4), textcoords="offset points")

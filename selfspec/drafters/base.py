@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-
 from ..backbone import Backbone
+from ..cache import RowView
 from ..projection import Projection
 from ..sampling import SamplingParams, pick_candidates, probs_from_logits
 from ..tree import Tree, build_tree, prune
@@ -20,7 +19,7 @@ class DecodeState:
     (already chosen by the target, not yet run through it). So ``past_len == len(ids) - 1``."""
 
     ids: list[int]
-    cache: DynamicCache
+    cache: RowView         # this row of the target's KV cache (cache.KVCache.row)
     params: SamplingParams
     generator: torch.Generator | None
 

@@ -1,6 +1,7 @@
 """Two-model baseline: a separate small causal LM (same tokenizer) drafts a chain of k tokens.
 
-The draft model keeps its own KV cache through its public forward. It has seen a prefix of the
+The draft model keeps its own KV cache (a ``cache.KVCache``), run layer by layer through a
+``Backbone`` as the target is, so it must be of a supported family. It has seen a prefix of the
 committed tokens; each step it first catches up on the tokens it has not seen (the pending
 token, plus the last draft when the whole chain was accepted), then drafts k - 1 more.
 
@@ -24,8 +25,9 @@ import copy
 import torch
 
 from .. import cache as kv
+from ..backbone import Backbone
 from ..projection import Projection
-from ..tree import Tree
+from ..tree import Tree, additive_mask
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, check_threshold, layout, pruned, row_candidates
 
@@ -64,6 +66,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({vocab_size}): "
                              "the draft must share the target's tokenizer")
         self.model = draft_model
+        self.backbone = Backbone(draft_model)
         self.tree = tree
         self.vocab_size = vocab_size
         self.threshold = check_threshold(threshold)
@@ -88,11 +91,17 @@ class DraftModelDrafter(Drafter):
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ids after the seen prefix -> logits (V,) for the next token (V_draft with a draft vocabulary)."""
-        x = torch.tensor([ids], device=self.device)
-        pos = torch.arange(self.seen, self.seen + len(ids), device=self.device)[None]
-        self.seen += len(ids)
-        out = self.model.get_decoder()(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True)
-        return self.project(out.last_hidden_state[0, -1:])[0]
+        bb, n, past = self.backbone, len(ids), self.seen
+        x = torch.tensor(ids, device=self.device)
+        pos = torch.arange(past, past + n, device=self.device)[None]
+        mask = None   # one query sees its whole cache; n on an empty cache is plain causal
+        if n > 1 and past > 0:
+            tri = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            mask = additive_mask(torch.cat([tri.new_ones(n, past), tri], dim=1), bb.dtype)
+        self.seen += n
+        h = bb.run_layers(bb.embed(x), start=0, end=bb.num_layers, position_ids=pos, attention_mask=mask,
+                          cache=self.cache)
+        return self.project(bb.final_norm(h[0, -1:]))[0]
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:

@@ -1,0 +1,258 @@
+"""Batches of prompts: every row of a batch is exactly what the plain model gives that prompt alone.
+
+Rows of different lengths share one KV cache (each row at its own length), accept different
+numbers of drafts each step, hit EOS at different times and leave the batch; none of that may
+change a single token. Sampled rows must keep the target's distribution.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import chi2_check, hf_greedy, tiny_model
+from selfspec import decode as decode_mod
+from selfspec.backbone import Backbone
+from selfspec.cache import KVCache
+from selfspec.decode import decode_rows
+from selfspec.drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter
+from selfspec.drafters.base import DecodeState, Draft, Drafter
+from selfspec.drafters.draft_model import truncated_copy
+from selfspec.model import SelfSpeculativeModel, untrained_heads
+from selfspec.sampling import SamplingParams
+from selfspec.settings import MEDUSA_DEFAULT
+from selfspec.tree import build_tree, chain, chain_with_siblings
+from selfspec.verify import greedy_accept, greedy_accept_rows
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
+GREEDY = SamplingParams()
+N_NEW = 30
+LENGTHS = (7, 3, 11, 5)
+
+
+def _prompts(vocab: int, lengths=LENGTHS, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def _alone(model, prompts, n=N_NEW) -> list[list[int]]:
+    return [hf_greedy(model, p[None], n)[0, p.shape[0]:].tolist() for p in prompts]
+
+
+class RowOracle(Drafter):
+    """Proposes each row's true greedy continuation (found by its prompt), corrupted at a depth that
+    depends on the row and the step, so rows accept different lengths every step."""
+
+    def __init__(self, references: list[list[int]], paths):
+        self.references, self.tree = references, build_tree(paths)
+        self.steps = 0
+
+    def draft(self, state: DecodeState) -> Draft:
+        ref = next(r for r in self.references if r[: len(state.ids)] == state.ids)
+        truth = ref[len(state.ids):] + [0] * (self.tree.depth + 1)
+        self.steps += 1
+        cycle = self.tree.depth + 2
+        bad = (len(self.references) + self.steps // 2) % cycle   # depth - 1 of the corrupt node (or none)
+        every = self.steps % 2 == 1     # every candidate at that depth wrong (else the truth moves to rank 1)
+        tokens = [state.ids[-1]]
+        for path in self.tree.paths:
+            d, rank = len(path), path[-1]
+            right = rank == (1 if d - 1 == bad else 0) and not (every and d - 1 == bad)
+            tokens.append(truth[d - 1] if right else (truth[d - 1] + 1 + rank) % 97)
+        return Draft(tree=self.tree, tokens=torch.tensor(tokens))
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+
+
+def test_batched_greedy_acceptance_on_hand_built_rows():
+    """Three rows with different trees accepting 0, a branch below a rejected sibling, and a full
+    chain: one batched rule gives each row what the one-row rule gives it."""
+    trees = [build_tree(chain(3)), build_tree(((0,), (1,), (0, 0), (1, 0), (1, 0, 0))), build_tree(chain(2))]
+    tokens = [torch.tensor([5, 9, 9, 9]), torch.tensor([5, 6, 7, 1, 8, 2]), torch.tensor([5, 3, 4])]
+    argmax = [torch.tensor([1, 2, 3, 4]),          # row 0: first draft wrong -> accept 0, bonus 1
+              torch.tensor([7, 0, 8, 0, 2, 6]),    # row 1: (0,)=6 wrong, (1,)=7 right, (1,0)=8 right, (1,0,0)=2 right
+              torch.tensor([3, 4, 9])]             # row 2: whole chain, bonus 9
+    got = greedy_accept_rows(trees, tokens, argmax)
+    assert [a.path for a in got] == [(0,), (0, 2, 4, 5), (0, 1, 2)]
+    assert [a.bonus for a in got] == [1, 6, 9]
+    assert got == [greedy_accept(t, x, y) for t, x, y in zip(trees, tokens, argmax)]
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, one_thread):
+    model = tiny_model(arch)
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size)
+    ref = _alone(model, prompts)
+    refs_full = [p.tolist() + r for p, r in zip(prompts, ref)]
+    drafters = [
+        NoDrafter(bb.device),
+        LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size),
+        RowOracle(refs_full, chain(4)),
+        RowOracle(refs_full, ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0))),
+        MedusaDrafter(bb, untrained_heads("medusa", model, "t", token_input=False), build_tree(MEDUSA_DEFAULT), lookup=4),
+        EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=2), build_tree(chain(3))),
+        EarlyExitDrafter(bb, untrained_heads("early-exit", model, "t", exit_layer=2, adapter="layer"),
+                         build_tree(chain_with_siblings(3, 2))),
+        DraftModelDrafter(tiny_model(arch), build_tree(chain(3)), vocab_size=bb.vocab_size),   # the target itself
+        DraftModelDrafter(truncated_copy(model, 2), build_tree(chain(3)), vocab_size=bb.vocab_size, threshold=0.3),
+        EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=3, expand=2, nodes=4, lookup=4),
+    ]
+    for drafter in drafters:
+        new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=N_NEW, eos_token_ids=set(),
+                                 generator=None)
+        assert new == ref, f"{arch} {drafter.name}: a row differs from its prompt decoded alone"
+        assert stats.new_tokens == N_NEW * len(prompts)
+        if isinstance(drafter, RowOracle) or (drafter.name == "draft-model" and drafter.threshold == 0):
+            assert stats.tau > 1.8, f"{arch} {drafter.name}: rows should accept deep drafts (tau {stats.tau:.2f})"
+
+
+def test_rows_stop_at_their_own_eos_and_leave_the_batch(one_thread):
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size, lengths=(6, 4, 9, 5, 8, 3, 7, 10))
+    long = _alone(model, prompts, 40)
+    eos = {long[1][4], long[5][20]}   # row 1 stops early, row 5 later, others when they meet one of these
+    expected = []
+    for r in long:
+        cut = next((i for i, t in enumerate(r) if t in eos), None)
+        expected.append(r if cut is None else r[: cut + 1])
+    drafter = RowOracle([p.tolist() + r for p, r in zip(prompts, long)], chain(3))
+    new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids=eos, generator=None)
+    assert new == expected
+    assert stats.new_tokens == sum(len(x) for x in expected)
+
+
+def test_target_cache_rows_equal_a_fresh_forward_at_every_accepted_length(one_thread):
+    """After each step, every live row's KV (all layers) equals a fresh pass over its committed tokens."""
+    model = tiny_model("qwen2")
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size)
+    ref = _alone(model, prompts, 60)
+    seen, checks = set(), 0
+
+    class Checked(RowOracle):
+        def commit(self, state, accepted, out):
+            nonlocal checks
+            seen.add(accepted.num_accepted)
+            fresh = KVCache()
+            ids = torch.tensor(state.ids[:-1])
+            bb.run_layers(bb.embed(ids), start=0, end=bb.num_layers, position_ids=torch.arange(len(ids))[None],
+                          attention_mask=None, cache=fresh)
+            row = state.cache
+            for layer in range(bb.num_layers):
+                k, v = row.cache.layer(layer, row.index)
+                assert k.shape[2] == len(ids)
+                torch.testing.assert_close(k, fresh.layer(layer)[0], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v, fresh.layer(layer)[1], atol=1e-5, rtol=1e-4)
+            checks += 1
+
+    drafter = Checked([p.tolist() + r for p, r in zip(prompts, ref)],
+                      ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)))
+    new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=60, eos_token_ids=set(), generator=None)
+    assert new == ref
+    assert seen >= {0, 1, 2, 3, 4} and checks > 20
+
+
+def test_generate_takes_left_padded_batches_and_lists(one_thread):
+    """The API as transformers users call it: a left-padded batch with its attention_mask, or a list."""
+    model = tiny_model("llama")
+    heads = untrained_heads("medusa", model, "tiny")
+
+    class Tok:
+        eos_token_id = None
+        pad_token_id = 0
+
+    sm = SelfSpeculativeModel(model, Tok(), drafter_name="medusa", heads=heads, tree="auto", name="tiny")
+    prompts = _prompts(model.config.vocab_size, lengths=(5, 8, 3))
+    ref = _alone(model, prompts, 12)
+    T = 8
+    ids = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), torch.ones(len(p), dtype=torch.long)])
+                        for p in prompts])
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert out.shape == (3, T + 12) and torch.equal(out[:, :T], ids)
+    assert [out[b, T:].tolist() for b in range(3)] == ref
+    # EOS in one row: that row is padded with pad_token_id afterwards, as transformers pads it.
+    eos = ref[2][3]
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    row = out[2, T:].tolist()
+    assert row[:4] == ref[2][:4] and row[4:] == [0] * (len(row) - 4)
+    listed = sm.generate([p.tolist() for p in prompts], max_new_tokens=12)
+    assert [listed[b, T:].tolist() for b in range(3)] == ref and torch.equal(listed[:, :T], ids)
+    assert sm.last_stats.new_tokens == 36
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+V, L, N = 6, 3, 2400
+
+
+def _exact(model, prompt, params):
+    import itertools
+
+    from selfspec.sampling import probs_from_logits
+
+    out = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=L):
+            prob = 1.0
+            for i in range(L):
+                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
+                prob *= float(probs_from_logits(logits, params)[seq[i]])
+            out[seq] = prob
+    return out
+
+
+def _batched_counts(bb, drafter, prompts, params, batches):
+    """Rows alternate between the prompts (different lengths); counts of each prompt's first L tokens."""
+    g = torch.Generator().manual_seed(3)
+    counts = [{} for _ in prompts]
+    rows = [torch.tensor(prompts[i % len(prompts)]) for i in range(8)]
+    for _ in range(batches):
+        new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(), generator=g)
+        for i, toks in enumerate(new):
+            c = counts[i % len(prompts)]
+            c[tuple(toks)] = c.get(tuple(toks), 0) + 1
+    return counts
+
+
+def _sampling_setup():
+    model = tiny_model("llama", vocab_size=V)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)   # spread-out p: plenty of rejections
+    bb = Backbone(model)
+    params = SamplingParams(do_sample=True, temperature=1.0, top_p=0.95)
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    drafter = EagleDrafter(bb, untrained_heads("eagle", model, "tiny"), depth=3, expand=2, nodes=4, lookup=2)
+    return model, bb, params, prompts, drafter
+
+
+def test_sampling_in_a_batch_is_lossless(one_thread):
+    model, bb, params, prompts, drafter = _sampling_setup()
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8)
+    for prompt, c in zip(prompts, counts):
+        stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
+        assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
+
+
+def test_batch_sampling_check_catches_rows_judged_by_each_others_logits(one_thread, monkeypatch):
+    """Planted bug: acceptance reads the next row's target distribution. The same check must fail."""
+    model, bb, params, prompts, drafter = _sampling_setup()
+    real = decode_mod.accept_rows
+
+    def swapped(drafts, outs, params, generator):
+        outs = outs[1:] + outs[:1]
+        fixed = [type(o)(logits=o.logits[: d.tree.size] if o.logits.shape[0] >= d.tree.size else
+                         torch.cat([o.logits, o.logits[-1:].expand(d.tree.size - o.logits.shape[0], -1)]),
+                         hidden=o.hidden, captured=o.captured) for d, o in zip(drafts, outs)]
+        return real(drafts, fixed, params, generator)
+
+    monkeypatch.setattr(decode_mod, "accept_rows", swapped)
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8)
+    stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
+    assert any(stat > threshold for stat, threshold in stats)
