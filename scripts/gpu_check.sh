@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: selfspec's exactness on the GPU, then a bench of every drafter
-# against transformers, written to docs/results/gpu-<device>-{fp32,bf16}/.
+# against transformers, written to docs/results/gpu-<device>-{fp32,bf16,bf16-batch8}/.
 #
 #   scripts/gpu_check.sh [--device cuda|cpu] [--gguf FILE] [--wheels DIR] [--out DIR] [--quick]
 #
@@ -14,8 +14,10 @@
 #   1. environment: torch / transformers versions and the device, to $OUT_ROOT/env.json
 #   2. exactness: the demo-model tests (every drafter, untrained and shipped heads, float32) on the device
 #   3. bench, batch 1, eager: float32, then bfloat16 (against transformers' bfloat16 greedy: a divergence
-#      where transformers' top-2 logit margin is < 1e-3 is reported as a numeric tie, not as an error)
-# Not yet: batches of prompts and a compiled step (issue 16 parts 1-3); the script says so at the end.
+#      where transformers' top-2 logit margin is < 1e-3 is reported as a numeric tie, not as an error),
+#      with hf-static (transformers' static cache and compiled forward) beside hf-generate
+#   4. bench, batches of 8, bfloat16 (the exactness tests of step 2 include the demo model in a batch)
+# Not yet: selfspec's own compiled step (issue 16 part 3); the script says so at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,7 +81,7 @@ SELFSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/test
 echo "== 3. bench, batch 1, eager"
 DRAFT="$OUT/draft-4l"
 "$PY" -m selfspec export --model smollm2-135m --layers 4 --out "$DRAFT" --force >/dev/null
-METHODS=hf-generate,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
+METHODS=hf-generate,hf-static,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
 SIZE=(--sample 50 --max-new-tokens 128)
 if [ "$QUICK" = 1 ]; then
     SIZE=(--sample 2 --max-new-tokens 16)
@@ -90,7 +92,17 @@ for RUN in fp32:float32 bf16:bfloat16; do
         --methods "$METHODS" --draft-model "$DRAFT" --device "$DEVICE" --dtype "${RUN#*:}" \
         --out "$OUT/${RUN%%:*}" --force
 done
+
+echo "== 4. bench, batches of 8, bfloat16"
+BATCHED=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-early-exit,selfspec-draft-model
+BSIZE=(--sample 48 --max-new-tokens 128 --batch-size 8)
+if [ "$QUICK" = 1 ]; then
+    BATCHED=hf-generate,selfspec-ar,selfspec-medusa
+    BSIZE=(--sample 4 --max-new-tokens 16 --batch-size 2)
+fi
+"$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${BSIZE[@]}" \
+    --methods "$BATCHED" --draft-model "$DRAFT" --device "$DEVICE" --dtype bfloat16 --out "$OUT/bf16-batch8" --force
 rm -rf "$DRAFT"
 
-echo "== not run: batches of prompts and the compiled step (not built yet: issue 16 parts 1-3)"
-echo "== done: $OUT (env.json, exactness.txt, fp32/, bf16/)"
+echo "== not run: selfspec's compiled step (not built yet: issue 16 part 3)"
+echo "== done: $OUT (env.json, exactness.txt, fp32/, bf16/, bf16-batch8/)"

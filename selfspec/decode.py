@@ -156,8 +156,10 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: li
     h, mid = _layers(backbone, backbone.embed_tokens(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
                      capture=capture)
     normed = backbone.final_norm(h)
-    logits = backbone.logits(normed)
-    return [TargetOut(logits=logits[b, :m], hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
+    # The LM head (the widest product) only on real nodes: the rows' nodes packed, padding left out.
+    real = torch.cat([torch.arange(m, device=dev) + b * n for b, m in enumerate(sizes)])
+    logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
+    return [TargetOut(logits=logits[b], hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
             for b, m in enumerate(sizes)]
 
 

@@ -28,7 +28,7 @@ from ..decode import DecodeStats
 BASELINE = "hf-generate"
 # Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.
 ALIASES = {"hf-greedy": BASELINE}
-ALL_METHODS = (BASELINE, "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
+ALL_METHODS = (BASELINE, "hf-static", "hf-assisted", "hf-early-exit", "hf-prompt-lookup",
                "selfspec-ar", "selfspec-lookup", "selfspec-early-exit", "selfspec-medusa", "selfspec-medusa-heads",
                "selfspec-eagle", "selfspec-eagle-heads", "selfspec-draft-model")
 # "-heads": the same heads and tree with the context lookup off (what the heads draft on their own).
@@ -192,7 +192,10 @@ def run_bench(
 
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     warm = [encoded[p.id] for p in batches[0]]
-    for m in methods:  # warm-up: kernels, allocator, caches
+    longest = max(int(ids.shape[-1]) for ids in encoded.values()) + max_new_tokens
+    for m in methods:  # warm-up: kernels, allocator, caches (a static cache is sized for the whole run first)
+        if hasattr(m.fn, "prepare"):
+            m.fn.prepare(longest)
         try:
             m.fn(warm, min(16, max_new_tokens), generator("warmup"))
         except (ValueError, NotImplementedError) as e:

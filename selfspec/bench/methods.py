@@ -106,6 +106,39 @@ def build_methods(
             return rows_of(out, ids.shape[1]), None
         return fn
 
+    def hf_static():
+        """transformers' generate on its static cache with the decoding forward compiled (torch.compile;
+        on CPU transformers compiles only when asked). One cache per batch size, sized once for the whole
+        run (``prepare``: the longest prompt plus the new tokens, rounded up to 512 positions) and reset
+        between calls, so every call reuses the graph the warm-up compiled."""
+        from transformers import CompileConfig, StaticCache
+
+        device = model.get_output_embeddings().weight.device
+        config = CompileConfig(fullgraph=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+        config._compile_all_devices = True   # transformers' own switch for compiling off CUDA
+        caches: dict[int, StaticCache] = {}
+        size = [512]
+
+        def prepare(positions: int) -> None:
+            size[0] = -(-positions // 512) * 512
+
+        def fn(batch, n, gen):
+            if sampling:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+            ids, mask = left_padded(batch, pad)
+            if ids.shape[1] + n > size[0]:      # a caller that did not prepare: grow (and recompile)
+                prepare(ids.shape[1] + n)
+                caches.clear()
+            cache = caches.get(len(batch))
+            if cache is None:
+                cache = caches[len(batch)] = StaticCache(config=model.config, max_cache_len=size[0])
+            cache.reset()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad, past_key_values=cache,
+                                 compile_config=config, **kw)
+            return rows_of(out, ids.shape[1]), None
+        fn.prepare = prepare
+        return fn
+
     def ours(sm: SelfSpeculativeModel):
         def fn(batch, n, gen):
             ids, mask = left_padded(batch, pad)
@@ -153,6 +186,8 @@ def build_methods(
     for name in names:
         if name == BASELINE:
             fn = hf()
+        elif name == "hf-static":
+            fn = hf_static()
         elif name == "hf-assisted":
             fn = hf(assistant_model=draft_model)
         elif name == "hf-early-exit":
