@@ -55,6 +55,7 @@ class Backbone:
         self.rotary_emb = inner.rotary_emb
         self.lm_head = model.lm_head
         self.num_layers = len(self.layers)
+        self.cache_arg = cache_argument(self.layers[0])   # every layer of a model is one class
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
         self.head = Projection(self.lm_head.weight, self.lm_head.bias)  # layout timed per row count
@@ -99,7 +100,7 @@ class Backbone:
                 hidden,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                **{cache_argument(layer): cache},
+                **{self.cache_arg: cache},
                 use_cache=True,
                 position_embeddings=pos_emb,
             )

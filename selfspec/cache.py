@@ -94,13 +94,15 @@ class KVCache:
             for b in range(self.batch) if row is None else (row,):
                 layer[b] = min(layer[b], length)
 
-    def keep(self, starts: list[int], paths: list[torch.Tensor]) -> None:
-        """Row b keeps slots [0, starts[b]) plus ``starts[b] + paths[b]``, in that order, on every layer.
+    def keep(self, starts: list[int], paths: list[torch.Tensor], rows: list[int] | None = None) -> None:
+        """Row rows[i] (default: row i) keeps slots [0, starts[i]) plus ``starts[i] + paths[i]``, in that
+        order, on every layer; other rows are untouched.
 
-        paths[b]: (m_b,) long offsets (an accepted tree path, root first). A path 0, 1, .., m - 1 (a
+        paths[i]: (m_i,) long offsets (an accepted tree path, root first). A path 0, 1, .., m - 1 (a
         chain prefix) moves nothing."""
+        rows = list(range(len(starts))) if rows is None else rows
         moves = []
-        for b, (start, path) in enumerate(zip(starts, paths)):
+        for b, start, path in zip(rows, starts, paths):
             m = int(path.shape[0])
             if not bool((path.cpu() == torch.arange(m)).all()):
                 moves.append((b, start, path.to(torch.long)))
@@ -117,7 +119,7 @@ class KVCache:
                 for buf in (k, self.values[i]):
                     buf[bi, :, dst] = buf[bi, :, src]     # the right side is gathered (copied) first
         for layer in self.lengths:
-            for b, (start, path) in enumerate(zip(starts, paths)):
+            for b, start, path in zip(rows, starts, paths):
                 if layer[b] > start:
                     layer[b] = start + int(path.shape[0])
 

@@ -66,7 +66,8 @@ def cmd_generate(args) -> int:
     heads = args.heads
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
                                               tree=args.tree, dtype=args.dtype, device=args.device,
-                                              threshold=args.threshold, gate=args.gate, lookup=args.lookup)
+                                              threshold=args.threshold, gate=args.gate, lookup=args.lookup,
+                                              compile=args.compile)
     ids = torch.tensor([prompt_ids(sm.tokenizer, args.prompt, chat=args.chat)])
     sampling = args.temperature > 0
     gen = torch.Generator(device=sm.backbone.device).manual_seed(args.seed)
@@ -105,6 +106,9 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="verify through a compiled static-shape step (pays off over long or many generations: "
+                        "the first steps compile, a minute or more on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=cmd_generate)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -20,6 +20,9 @@ from .cache import KVCache
 from .drafters.base import DecodeState, Draft, Drafter, TargetOut
 from .sampling import SamplingParams, probs_from_logits, sample
 from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
+
+if TYPE_CHECKING:
+    from .step import StaticStep
 
 
 @dataclass
@@ -217,7 +220,7 @@ def _sample_accept(draft: Draft, out: TargetOut, params: SamplingParams, generat
 def commit_rows(cache: KVCache, states: list[DecodeState], drafts: list[Draft], accepted: list[Accepted]) -> list[list[int]]:
     """Keep each row's accepted path in the cache (every layer), append its tokens and the bonus."""
     pasts = [s.past_len for s in states]
-    cache.keep(pasts, [torch.tensor(a.path) for a in accepted])
+    cache.keep(pasts, [torch.tensor(a.path) for a in accepted], rows=[s.cache.index for s in states])
     new = []
     for s, d, a in zip(states, drafts, accepted):
         toks = d.tokens[list(a.path[1:])].tolist() + [a.bonus]
@@ -237,16 +240,27 @@ def decode_rows(
     eos_token_ids: set[int],
     generator: torch.Generator | None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    step: StaticStep | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
     Each row drafts on its own (a copy of ``drafter`` per row beyond the first); one target pass
     per step verifies every row's tree; each row accepts, commits and stops on its own, and a
-    finished row leaves the batch. Returns (new tokens per row, stats summed over rows)."""
+    finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
+    verification runs at static shapes on a static cache, and a finished row stays in it idle, so
+    that the shapes (and the compiled graphs) never change. Returns (new tokens per row, stats
+    summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
     t0 = time.perf_counter()
-    cache = kv.new_cache(B)
+    if step is None:
+        cache = kv.new_cache(B)
+        verify = lambda live, pasts, drafts: verify_rows(backbone, cache, pasts, drafts,  # noqa: E731
+                                                         capture=drafter.capture_layers)
+    else:
+        cache = kv.new_cache(B, capacity=step.reserve(max(int(p.shape[0]) for p in prompts) + max_new_tokens))
+        verify = lambda live, pasts, drafts: step.verify(backbone, cache, pasts, drafts, rows=live,  # noqa: E731
+                                                         capture=drafter.capture_layers)
     drafters = [drafter] + [copy.copy(drafter) for _ in range(B - 1)]
     states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator)
               for b, p in enumerate(prompts)]
@@ -266,14 +280,13 @@ def decode_rows(
     stats.prefill_s = time.perf_counter() - t0
 
     while live:
-        live = _shrink(cache, states, live, B)
+        live = _shrink(cache, states, live) if step is None else live
         rows = [states[b] for b in live]
         t1 = time.perf_counter()
         drafts = [drafters[b].draft(states[b]) for b in live]                       # DRAFT
         _sync(dev)
         t2 = time.perf_counter()
-        outs = verify_rows(backbone, cache, [s.past_len for s in rows], drafts,
-                           capture=drafter.capture_layers)                            # VERIFY
+        outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
         accepted = accept_rows(drafts, outs, params, generator)                      # ACCEPT
         committed = commit_rows(cache, rows, drafts, accepted)                       # COMMIT
         for b, a, out in zip(live, accepted, outs):
@@ -310,7 +323,7 @@ def _running(new: list[int], room: int, eos: set[int]) -> bool:
     return len(new) < room and new[-1] not in eos
 
 
-def _shrink(cache: KVCache, states: list[DecodeState], live: list[int], batch: int) -> list[int]:
+def _shrink(cache: KVCache, states: list[DecodeState], live: list[int]) -> list[int]:
     """Drop finished rows from the cache; each live row's state reads its (possibly new) cache row."""
     if cache.batch != len(live):
         cache.select([s.cache.index for s in (states[b] for b in live)])

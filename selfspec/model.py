@@ -26,6 +26,7 @@ from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, rea
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .sampling import SamplingParams
+from .step import StaticStep
 from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
 from .settings import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS, check_settings,
                        default_exit_layer, resolve_settings)
@@ -123,13 +124,17 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
 
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
-                 draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto"):
+                 draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
+                 compile: "bool | StaticStep" = False):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.backbone = Backbone(model)
         self.drafter_name = check_drafter_name(drafter_name)
         self.heads = heads
+        # compile=True: every verification at static shapes on a static cache, through torch.compile (step.py);
+        # a StaticStep given here is shared (models on one target then share its compiled graphs).
+        self.step = compile if isinstance(compile, StaticStep) else (StaticStep(self.backbone) if compile else None)
         self.last_stats: DecodeStats | None = None
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
@@ -161,7 +166,7 @@ class SelfSpeculativeModel:
     @classmethod
     def from_pretrained(cls, name_or_path, drafter: str = "auto", heads=None, exit_layer: int | None = None,
                         draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS,
-                        threshold="auto", gate="auto", lookup="auto"):
+                        threshold="auto", gate="auto", lookup="auto", compile: bool = False):
         """Load a target model and attach a drafter.
 
         drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
@@ -175,7 +180,9 @@ class SelfSpeculativeModel:
         whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;
         "auto" as for threshold). lookup: medusa; each greedy step also proposes up to this many tokens
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
-        drafter="lookup" drafts only such copies (no heads; "auto" = 8). Output is unchanged either way.
+        drafter="lookup" drafts only such copies (no heads; "auto" = 8). compile: run each verification at
+        static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
+        pay the compilation (tens of seconds on CPU). Output is unchanged either way.
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
@@ -220,7 +227,8 @@ class SelfSpeculativeModel:
         elif heads is not None or draft_model is not None:
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
-                   draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup)
+                   draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
+                   compile=compile)
 
     @staticmethod
     def _apply_lora(model, heads_dir: Path, config: HeadsConfig) -> None:
@@ -296,7 +304,7 @@ class SelfSpeculativeModel:
         on_tokens = (lambda _row, toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
         new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
                                  max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                 on_tokens=on_tokens)
+                                 on_tokens=on_tokens, step=self.step)
         if streamer is not None:
             streamer.end()
         self.last_stats = stats

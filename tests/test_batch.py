@@ -21,6 +21,7 @@ from selfspec.drafters.draft_model import truncated_copy
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.sampling import SamplingParams
 from selfspec.settings import MEDUSA_DEFAULT
+from selfspec.step import StaticStep
 from selfspec.tree import build_tree, chain, chain_with_siblings
 from selfspec.verify import greedy_accept, greedy_accept_rows
 
@@ -28,6 +29,13 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
 GREEDY = SamplingParams()
 N_NEW = 30
 LENGTHS = (7, 3, 11, 5)
+# Each exactness test runs the eager verify pass and the static-shape one (``compile=True``'s pass,
+# here uncompiled: the same shapes, masks and in-place cache writes, minus torch.compile's build).
+STEPS = ["eager", "static"]
+
+
+def _step(kind: str, bb: Backbone) -> StaticStep | None:
+    return None if kind == "eager" else StaticStep(bb, compile=False)
 
 
 def _prompts(vocab: int, lengths=LENGTHS, seed: int = 0) -> list[torch.Tensor]:
@@ -82,8 +90,9 @@ def test_batched_greedy_acceptance_on_hand_built_rows():
 # ---------------------------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, one_thread):
+def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, step, one_thread):
     model = tiny_model(arch)
     bb = Backbone(model)
     prompts = _prompts(model.config.vocab_size)
@@ -104,14 +113,15 @@ def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, one_thread):
     ]
     for drafter in drafters:
         new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=N_NEW, eos_token_ids=set(),
-                                 generator=None)
-        assert new == ref, f"{arch} {drafter.name}: a row differs from its prompt decoded alone"
+                                 generator=None, step=_step(step, bb))
+        assert new == ref, f"{arch} {drafter.name} ({step}): a row differs from its prompt decoded alone"
         assert stats.new_tokens == N_NEW * len(prompts)
         if isinstance(drafter, RowOracle) or (drafter.name == "draft-model" and drafter.threshold == 0):
             assert stats.tau > 1.8, f"{arch} {drafter.name}: rows should accept deep drafts (tau {stats.tau:.2f})"
 
 
-def test_rows_stop_at_their_own_eos_and_leave_the_batch(one_thread):
+@pytest.mark.parametrize("step", STEPS)
+def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
     model = tiny_model("llama")
     bb = Backbone(model)
     prompts = _prompts(model.config.vocab_size, lengths=(6, 4, 9, 5, 8, 3, 7, 10))
@@ -122,12 +132,14 @@ def test_rows_stop_at_their_own_eos_and_leave_the_batch(one_thread):
         cut = next((i for i, t in enumerate(r) if t in eos), None)
         expected.append(r if cut is None else r[: cut + 1])
     drafter = RowOracle([p.tolist() + r for p, r in zip(prompts, long)], chain(3))
-    new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids=eos, generator=None)
+    new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids=eos, generator=None,
+                             step=_step(step, bb))
     assert new == expected
     assert stats.new_tokens == sum(len(x) for x in expected)
 
 
-def test_target_cache_rows_equal_a_fresh_forward_at_every_accepted_length(one_thread):
+@pytest.mark.parametrize("step", STEPS)
+def test_target_cache_rows_equal_a_fresh_forward_at_every_accepted_length(step, one_thread):
     """After each step, every live row's KV (all layers) equals a fresh pass over its committed tokens."""
     model = tiny_model("qwen2")
     bb = Backbone(model)
@@ -153,7 +165,8 @@ def test_target_cache_rows_equal_a_fresh_forward_at_every_accepted_length(one_th
 
     drafter = Checked([p.tolist() + r for p, r in zip(prompts, ref)],
                       ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)))
-    new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=60, eos_token_ids=set(), generator=None)
+    new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=60, eos_token_ids=set(), generator=None,
+                         step=_step(step, bb))
     assert new == ref
     assert seen >= {0, 1, 2, 3, 4} and checks > 20
 

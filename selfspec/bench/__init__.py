@@ -39,6 +39,8 @@ def add_bench_args(p) -> None:
                 p.add_argument(f"--{prefix}-{key}", default="auto", help=f"{drafter}: {SETTING_HELP[key]}")
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call (left-padded batches, file order); methods that refuse batches are reported as refused")
+    p.add_argument("--compile", action="store_true",
+                   help="selfspec's methods verify through a compiled static-shape step (compiled during the warm-up)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -106,7 +108,7 @@ def run_bench_cli(args) -> int:
         warnings.simplefilter("always")
         methods, notes = build_methods(names, model=loaded.model, tokenizer=loaded.tokenizer, model_name=loaded.name,
                                        temperature=args.temperature, heads=heads, draft_model=draft,
-                                       settings=_method_settings(args))
+                                       settings=_method_settings(args), compile=args.compile)
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     results = run_bench(methods, prompts, lambda text: torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)]),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -118,7 +120,7 @@ def run_bench_cli(args) -> int:
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
             "sample": args.sample,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "batch_size": args.batch_size,
-            "decoding": decoding_mode(args.temperature), "chat_template": chat,
+            "compile": args.compile, "decoding": decoding_mode(args.temperature), "chat_template": chat,
             "methods": names, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),
         },

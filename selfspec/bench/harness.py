@@ -193,9 +193,10 @@ def run_bench(
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     warm = [encoded[p.id] for p in batches[0]]
     longest = max(int(ids.shape[-1]) for ids in encoded.values()) + max_new_tokens
-    for m in methods:  # warm-up: kernels, allocator, caches (a static cache is sized for the whole run first)
+    sizes = sorted({len(b) for b in batches})
+    for m in methods:  # warm-up: kernels, allocator, caches (static caches sized and graphs compiled for the whole run first)
         if hasattr(m.fn, "prepare"):
-            m.fn.prepare(longest)
+            m.fn.prepare(longest, sizes)
         try:
             m.fn(warm, min(16, max_new_tokens), generator("warmup"))
         except (ValueError, NotImplementedError) as e:

@@ -7,11 +7,12 @@ from dataclasses import asdict
 
 import torch
 
-from ..backbone import config_fingerprint
+from ..backbone import Backbone, config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
 from ..shipped import HEADS_DRAFTERS
+from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, BASELINE, Method
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -70,8 +71,11 @@ def build_methods(
     heads: dict | None = None,
     draft_model=None,
     settings: dict | None = None,
+    compile: bool = False,
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft and which settings each method used.
+
+    compile: selfspec's methods verify through one shared compiled static step (``compile=True``).
 
     heads: drafter -> heads directory (a drafter left out runs untrained heads, with a warning).
     settings: drafter -> {setting: value} as the user gave them ("auto" for tuned or default).
@@ -85,6 +89,7 @@ def build_methods(
     pad = 0 if pad is None else int(pad)
     notes: dict = {}
     n_layers = model.config.num_hidden_layers
+    step = StaticStep(Backbone(model), compile=True) if compile else None   # shared: each shape compiles once
 
     eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sampling else dict(do_sample=False)
@@ -119,7 +124,7 @@ def build_methods(
         caches: dict[int, StaticCache] = {}
         size = [512]
 
-        def prepare(positions: int) -> None:
+        def prepare(positions: int, batch_sizes=()) -> None:
             size[0] = -(-positions // 512) * 512
 
         def fn(batch, n, gen):
@@ -144,6 +149,15 @@ def build_methods(
             ids, mask = left_padded(batch, pad)
             out = sm.generate(ids, attention_mask=mask, max_new_tokens=n, generator=gen, pad_token_id=pad, **kw)
             return rows_of(out, ids.shape[1]), sm.last_stats
+
+        def prepare(positions: int, batch_sizes=(1,)) -> None:
+            """Compiled: size the static cache for the run and compile every tree bucket the drafter can
+            fill, at every batch size the run has, before anything is timed."""
+            sm.step.reserve(positions)
+            for b in batch_sizes:
+                sm.step.warm_up(batch=b, max_nodes=sm.drafter.max_nodes, capture=sm.drafter.capture_layers)
+        if sm.step is not None:
+            fn.prepare = prepare
         return fn
 
     loaded_heads = {}   # heads loaded once per kind, shared by a method and its "-heads" variant
@@ -174,7 +188,7 @@ def build_methods(
         sm = SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name,
                                   heads=heads_for(drafter) if drafter in HEADS_DRAFTERS else None,
                                   draft_model=draft_model if drafter == "draft-model" else None,
-                                  **{**settings.get(drafter, {}), **pinned})
+                                  compile=step if step is not None else False, **{**settings.get(drafter, {}), **pinned})
         key = name.removeprefix("selfspec-").replace("-", "_")
         for setting, value in asdict(sm.settings).items():
             if value is not None:

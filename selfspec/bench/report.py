@@ -28,7 +28,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"model `{cfg['model']}`, {cfg['device']} ({cfg['threads']} threads), {cfg['dtype']}, "
         f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, {mode}"
-        + (f", batches of {B} (tokens/s: all rows together; per row: divide by {B})" if B > 1 else ""),
+        + (f", batches of {B} (tokens/s: all rows together; per row: divide by {B})" if B > 1 else "")
+        + (", selfspec methods compiled (`--compile`)" if cfg.get("compile") else ""),
         "",
         "| method | tokens/s | speedup | median speedup | vs selfspec-ar | tau | drafts verified / step "
         "| acceptance by depth | draft / verify share | peak MB | identical |",

@@ -64,6 +64,12 @@ class Drafter:
     heads = None  # a heads.Heads for drafters with trainable heads
     capture_layers: tuple[int, ...] = ()  # ask the target passes for the hidden states after these many layers
 
+    @property
+    def max_nodes(self) -> int:
+        """The most tree nodes (root included) one draft can have: a static step compiles that far."""
+        tree = getattr(self, "tree", None)
+        return (1 if tree is None else tree.size) + getattr(self, "lookup", 0)
+
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""
 

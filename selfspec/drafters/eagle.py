@@ -110,6 +110,10 @@ class EagleDrafter(Drafter):
         self.committed = 0                             # head cache slots that hold committed tokens
         self.root_state: torch.Tensor | None = None    # (1, 1, H) output of the last committed slot
 
+    @property
+    def max_nodes(self) -> int:
+        return 1 + self.nodes + self.lookup
+
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None = None) -> torch.Tensor:
