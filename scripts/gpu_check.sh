@@ -17,7 +17,8 @@
 #      where transformers' top-2 logit margin is < 1e-3 is reported as a numeric tie, not as an error),
 #      with hf-static (transformers' static cache and compiled forward) beside hf-generate
 #   4. bench, batches of 8, bfloat16 (the exactness tests of step 2 include the demo model in a batch)
-# Not yet: selfspec's own compiled step (issue 16 part 3); the script says so at the end.
+#   5. bench, compiled (--compile: selfspec's static-shape step through torch.compile, CUDA graphs on a
+#      GPU), bfloat16, batch 1 and batches of 8, against hf-generate and hf-static in the same runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -104,5 +105,18 @@ fi
     --methods "$BATCHED" --draft-model "$DRAFT" --device "$DEVICE" --dtype bfloat16 --out "$OUT/bf16-batch8" --force
 rm -rf "$DRAFT"
 
-echo "== not run: selfspec's compiled step (not built yet: issue 16 part 3)"
-echo "== done: $OUT (env.json, exactness.txt, fp32/, bf16/, bf16-batch8/)"
+echo "== 5. bench, compiled, bfloat16, batch 1 and batches of 8"
+COMPILED=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle
+CSIZES=("--sample 50 --max-new-tokens 128 --batch-size 1" "--sample 48 --max-new-tokens 128 --batch-size 8")
+CNAMES=(bf16-compiled bf16-batch8-compiled)
+if [ "$QUICK" = 1 ]; then
+    COMPILED=hf-generate,selfspec-ar     # one tree size: one short compilation
+    CSIZES=("--sample 2 --max-new-tokens 16 --batch-size 1")
+    CNAMES=(bf16-compiled)
+fi
+for i in "${!CNAMES[@]}"; do
+    # shellcheck disable=SC2086
+    "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl ${CSIZES[$i]} --compile \
+        --methods "$COMPILED" --device "$DEVICE" --dtype bfloat16 --out "$OUT/${CNAMES[$i]}" --force
+done
+echo "== done: $OUT (env.json, exactness.txt, fp32/, bf16/, bf16-batch8/, ${CNAMES[*]/%//})"

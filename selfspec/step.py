@@ -78,7 +78,12 @@ class StaticStep:
         if compile:
             if mode is None:
                 mode = "reduce-overhead" if backbone.device.type == "cuda" else None
+            import warnings
+
             import torch._dynamo
+
+            # torch's own compiler calls a deprecated API of itself (once per kernel): not the user's concern.
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
 
             # One graph per (rows, bucket, capacity, capture); a run meets a handful.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -140,8 +145,13 @@ class StaticStep:
             tokens[b, :m] = d.tokens.to(dev)
             depths[b, :m] = d.tree.depths.to(dev)
             anc[b, :m, :m] = d.tree.ancestors.to(dev)
+        graphs = self.compiled and dev.type == "cuda"
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()   # a new step: the previous replay's outputs are done with
         logits, normed, mid = self._forward(cache.keys, cache.values, tokens, depths, anc,
                                             torch.tensor(lens, device=dev), tuple(capture))
+        if graphs:   # a CUDA graph's outputs live in its pool until the next replay: drafters keep some longer
+            logits, normed, mid = logits.clone(), normed.clone(), tuple(c.clone() for c in mid)
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):

@@ -269,3 +269,23 @@ def test_batch_sampling_check_catches_rows_judged_by_each_others_logits(one_thre
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8)
     stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
     assert any(stat > threshold for stat, threshold in stats)
+
+
+def test_static_mask_matches_the_eager_batch_mask():
+    """The mask the static step builds inside itself from row lengths and ancestor matrices equals the
+    eager path's (``batch_mask``) on the slots the eager path returns; slots beyond are hidden."""
+    trees = [build_tree(((0,), (1,), (0, 0))), build_tree(chain(1)), build_tree(())]
+    n, capacity, lengths = 4, 24, [5, 9, 2]
+    anc = torch.eye(n, dtype=torch.bool).repeat(3, 1, 1)
+    visible = []
+    for b, t in enumerate(trees):
+        anc[b, :t.size, :t.size] = t.ancestors
+        visible.append(t.ancestors)
+    from selfspec.step import static_mask
+
+    got = static_mask(anc, torch.tensor(lengths), capacity, torch.float32)
+    want = decode_mod.batch_mask(visible, lengths, n, torch.float32)
+    S = want.shape[-1]
+    assert got.shape == (3, 1, n, capacity)
+    assert torch.equal(got[..., :S], want)
+    assert bool((got[..., S:] == torch.finfo(torch.float32).min).all())

@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh, dry-run on the CPU (--device cpu --quick): every step of what a GPU machine
 runs (environment report, exactness tests on the chosen device, float32 and bfloat16 benches, a
-batched bench) works
+batched bench, a compiled bench) works
 from this checkout, and the reports land where it says."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     batched = json.loads((out / "bf16-batch8" / "results.json").read_text())
     assert batched["config"]["batch_size"] == 2 and set(batched["methods"]) == {"hf-generate", "selfspec-ar",
                                                                                 "selfspec-medusa"}
+    compiled = json.loads((out / "bf16-compiled" / "results.json").read_text())
+    assert compiled["config"]["compile"] is True and set(compiled["methods"]) == {"hf-generate", "selfspec-ar"}
     assert not (out / "draft-4l").exists()
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "tpu"], cwd=ROOT,
                        capture_output=True, text=True)
