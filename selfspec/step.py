@@ -116,8 +116,7 @@ class StaticStep:
         mask = static_mask(ancestors, lengths, keys[0].shape[2], bb.dtype)
         h, mid = _layers(bb, bb.embed_tokens(tokens), start=0, position_ids=lengths[:, None] + depths, mask=mask,
                          cache=_SlotWriter(keys, values, rows, slots), capture=capture)
-        normed = bb.final_norm(h)
-        return bb.logits(normed), normed, mid
+        return bb.final_norm(h), mid
 
     def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *, rows: list[int],
                capture: tuple[int, ...] = ()) -> list[TargetOut]:
@@ -148,13 +147,17 @@ class StaticStep:
         graphs = self.compiled and dev.type == "cuda"
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()   # a new step: the previous replay's outputs are done with
-        logits, normed, mid = self._forward(cache.keys, cache.values, tokens, depths, anc,
-                                            torch.tensor(lens, device=dev), tuple(capture))
+        normed, mid = self._forward(cache.keys, cache.values, tokens, depths, anc,
+                                    torch.tensor(lens, device=dev), tuple(capture))
         if graphs:   # a CUDA graph's outputs live in its pool until the next replay: drafters keep some longer
-            logits, normed, mid = logits.clone(), normed.clone(), tuple(c.clone() for c in mid)
+            normed, mid = normed.clone(), tuple(c.clone() for c in mid)
+        # The LM head (the widest product) outside the graph, on real nodes only: padding never pays for it.
+        sizes = [d.tree.size for d in drafts]
+        real = torch.cat([torch.arange(m, device=dev) + b * n for b, m in zip(rows, sizes)])
+        logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):
                 layer[b] = lens[b] + n if b in live else layer[b]
-        return [TargetOut(logits=logits[b, :d.tree.size], hidden=normed[b, :d.tree.size],
-                          captured=tuple(c[b:b + 1, :d.tree.size] for c in mid)) for b, d in zip(rows, drafts)]
+        return [TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
+                for b, m, lg in zip(rows, sizes, logits)]
