@@ -158,12 +158,18 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: li
     mask = batch_mask([d.tree.ancestors.to(dev) for d in drafts], pasts, n, backbone.dtype)
     h, mid = _layers(backbone, backbone.embed_tokens(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
                      capture=capture)
-    normed = backbone.final_norm(h)
-    # The LM head (the widest product) only on real nodes: the rows' nodes packed, padding left out.
-    real = torch.cat([torch.arange(m, device=dev) + b * n for b, m in enumerate(sizes)])
+    return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
+
+
+def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tensor, ...], rows: list[int],
+                sizes: list[int]) -> list[TargetOut]:
+    """Per row: its first sizes[i] nodes of a padded pass (normed (B, n, H), row rows[i]). The LM head
+    (the widest product) runs on real nodes only: the rows' nodes packed, padding left out."""
+    n = normed.shape[1]
+    real = torch.cat([torch.arange(m, device=normed.device) + b * n for b, m in zip(rows, sizes)])
     logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
-    return [TargetOut(logits=logits[b], hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
-            for b, m in enumerate(sizes)]
+    return [TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
+            for b, m, lg in zip(rows, sizes, logits)]
 
 
 def _verify_one(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:

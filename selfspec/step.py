@@ -22,7 +22,7 @@ import torch
 
 from .backbone import Backbone
 from .cache import KVCache
-from .decode import _layers, prefill_rows
+from .decode import _layers, prefill_rows, row_outputs
 from .drafters.base import Draft, TargetOut
 from .tree import build_tree
 
@@ -151,13 +151,9 @@ class StaticStep:
                                     torch.tensor(lens, device=dev), tuple(capture))
         if graphs:   # a CUDA graph's outputs live in its pool until the next replay: drafters keep some longer
             normed, mid = normed.clone(), tuple(c.clone() for c in mid)
-        # The LM head (the widest product) outside the graph, on real nodes only: padding never pays for it.
-        sizes = [d.tree.size for d in drafts]
-        real = torch.cat([torch.arange(m, device=dev) + b * n for b, m in zip(rows, sizes)])
-        logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):
                 layer[b] = lens[b] + n if b in live else layer[b]
-        return [TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
-                for b, m, lg in zip(rows, sizes, logits)]
+        # The LM head outside the graph, on real nodes only (as eagerly): padding never pays for it.
+        return row_outputs(backbone, normed, mid, rows, [d.tree.size for d in drafts])
