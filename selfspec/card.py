@@ -211,8 +211,10 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
     ts = recorded_search(ckpt)
     if ts:
         lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
-                  f"Chosen by `selfspec tune-tree` on {ts['held_out_prompts']} held-out training prompts "
-                  f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads), each run interleaved with plain "
+                  "Chosen by `selfspec tune-tree` on "
+                  + (f"{ts['n_prompts']} prompts of {ts['prompts']} the heads never saw (seeded sample, seed "
+                     f"{ts.get('seed', 0)}) " if ts.get("prompts") else f"{ts['held_out_prompts']} held-out training prompts ")
+                  + f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads), each run interleaved with plain "
                   "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
                   "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
                   "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "

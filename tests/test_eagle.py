@@ -364,7 +364,7 @@ def test_ttt_loss_runs_under_bf16_autocast_and_agrees_with_float32(one_thread):
     assert abs(float(low.loss) - float(ref.loss)) < 0.05 * abs(float(ref.loss)) + 1e-3
 
 
-def test_warm_start_may_add_aux_layers_without_changing_predictions(one_thread):
+def test_warm_start_may_add_or_drop_aux_layers(one_thread):
     from selfspec.training.warm_start import check_init_shape, load_grown
 
     model = tiny_model("llama")
@@ -378,6 +378,13 @@ def test_warm_start_may_add_aux_layers_without_changing_predictions(one_thread):
     old = init.module.fuse(torch.cat([feats[1], feats[N - 1]], dim=-1))
     new = grown.module.fuse(torch.cat([feats[1], feats[N - 1], feats[N]], dim=-1))
     torch.testing.assert_close(new, old)
-    fewer = untrained_heads("eagle", model, "tiny", aux_layers=[1, N])
+    # Fewer layers: the shared layers keep their fc blocks, the dropped ones' go.
+    fewer = untrained_heads("eagle", model, "tiny", aux_layers=[N - 1, N])
+    check_init_shape(grown, fewer, "init")
+    load_grown(fewer.module, grown, fewer.config.aux_layers)
+    H = model.config.hidden_size
+    torch.testing.assert_close(fewer.module.fc.weight[:, :H], init.module.fc.weight[:, H:])
+    assert not fewer.module.fc.weight[:, H:].any()
+    disjoint = untrained_heads("eagle", model, "tiny", aux_layers=[2])
     with pytest.raises(ValueError, match="aux_layers"):
-        check_init_shape(init, fewer, "init")
+        check_init_shape(init, disjoint, "init")

@@ -663,3 +663,32 @@ def test_held_out_rows_are_recorded_as_a_compact_string():
     assert encode_rows(rows) == "0-2,5,9-11,40" and decode_rows("0-2,5,9-11,40") == rows
     assert encode_rows([]) == "" and decode_rows("") == [] and decode_rows(None) is None
     assert decode_rows([3, 4]) == [3, 4]   # configs written before the string form hold a plain list
+
+
+def test_tune_tree_times_eagle_heads_on_given_prompts(tmp_path, capsys):
+    from selfspec.cli import main
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+    from selfspec.training.tune import EAGLE_GRID, pick, tune_tree
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=2)
+    heads = untrained_heads("eagle", model, "tiny")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 97, (n,), generator=g) for n in (5, 7, 6)]
+    best, cands, acc = tune_tree(model, heads, [], n_prompts=2, max_new_tokens=6, repeats=1, progress=False,
+                                 prompts=prompts)
+    assert acc is None and best == pick(cands) and len(cands) == len(EAGLE_GRID)
+    assert {c.threshold for c in cands} > {0.0} and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
+    with pytest.raises(ValueError, match="no prompts"):
+        tune_tree(model, heads, [], n_prompts=2, progress=False, prompts=[])
+    # The CLI needs the training data, or prompts to time on (Medusa: the data in any case).
+    save_heads(heads, tmp_path / "e")
+    save_heads(untrained_heads("medusa", model, "tiny", num_heads=2), tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    assert main(["tune-tree", "--heads", str(tmp_path / "e")]) == 2
+    assert "--prompts" in capsys.readouterr().err
+    assert main(["tune-tree", "--heads", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert "rank accuracy" in capsys.readouterr().err
+    assert main(["tune-tree", "--heads", str(tmp_path / "e"), "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err

@@ -13,8 +13,11 @@ winner goes into the ``decode`` section of the heads' ``config.json`` (``tree`` 
 ``gate`` / ``lookup``, which the "auto" settings use), and every timed candidate into
 ``tune-tree.json`` beside it (what ``--recorded`` re-picks from).
 
-Held-out prompts are the training run's own eval split (same data directory, seed and
-fraction as recorded in the heads), so nothing is tuned on the evaluation prompts.
+Timing prompts are the training run's own eval split (same data directory, seed and fraction as
+recorded in the heads), so nothing is tuned on the evaluation prompts; or, with ``--prompts FILE``, a
+seeded sample of a prompt file the heads never saw, so that a head trained mostly on one kind of
+text is tuned on the traffic it will serve (Medusa still reads its heads' rank accuracy, which
+shapes its candidate trees, from the eval split).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from ..decode import decode
 from ..drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..drafters.eagle import parse_dynamic_tree
 from ..heads import Heads, load_heads, read_heads_config, write_heads_config
-from ..io import atomic_write_text
+from ..bench.harness import load_prompts as load_bench_prompts
+from ..io import atomic_write_text, prompt_ids
 from ..loading import check_model_name, load_model
 from ..sampling import SamplingParams
 from ..settings import DecodeSettings
@@ -53,11 +57,16 @@ MEDUSA_GATED = ((4, 0.5), (4, 0.8), (8, 0.5), (8, 0.8))          # (nodes, gate)
 # And with context lookup (drafters/lookup.py): (nodes, gate, most tokens copied per step).
 MEDUSA_LOOKUP = ((4, 0.0, 4), (4, 0.0, 8), (8, 0.0, 4), (8, 0.0, 8), (4, 0.8, 8), (8, 0.5, 8))
 EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
-# eagle: (dynamic tree, threshold, lookup); depth / expand / nodes span a cheap chain-like tree to a wide one
+# eagle: (dynamic tree, threshold, lookup); depth / expand / nodes span a cheap chain-like tree to a wide one.
+# The last rows cut hard by confidence: where a verified node costs a good share of a plain step (on the
+# 2-core dev CPU each one adds ~0.2 of it), a node pays only if its path probability beats about that
+# share of what a step yields, so thresholds of 0.2-0.4 keep the likely nodes of a deep tree and drop the rest.
 EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-3-6", 0.0, 0), ("dynamic-5-4-8", 0.0, 0),
               ("dynamic-6-4-12", 0.0, 0), ("dynamic-5-4-8", 0.05, 0), ("dynamic-6-4-12", 0.05, 0),
               ("dynamic-5-3-6", 0.15, 0), ("dynamic-6-4-8", 0.1, 0),
-              ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8))
+              ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8),
+              ("dynamic-4-2-4", 0.2, 8), ("dynamic-5-2-4", 0.3, 8), ("dynamic-5-3-6", 0.25, 8), ("dynamic-6-2-6", 0.4, 8),
+              ("dynamic-6-3-8", 0.3, 0))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 
 
@@ -126,17 +135,22 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int) -> tu
 
 
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
-              repeats: int = 2, progress: bool = True, prune: bool = True,
-              tolerance: float = 0.05) -> tuple[Candidate, list[Candidate], list | None]:
+              repeats: int = 2, progress: bool = True, prune: bool = True, tolerance: float = 0.05,
+              prompts: list[torch.Tensor] | None = None) -> tuple[Candidate, list[Candidate], list | None]:
     """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
 
     Timing follows the bench's protocol at a finer grain: for each prompt, plain decoding and every
     candidate run back to back in an order rotated from prompt to prompt, so machine drift hits
     them alike. A candidate's ``speedup`` is the median over (prompt, round) of its tokens/s over
     plain decoding's on the same prompt in the same round; ``pick`` chooses among them.
+
+    Timed on ``prompts`` (token ids) when given, else on the prompts of the first ``n_prompts`` of
+    ``seqs`` (held-out sequences; Medusa also reads its rank accuracy from them).
     """
     bb = Backbone(model)
-    prompts = [s.ids[: s.response_start] for s in seqs[:n_prompts]]
+    prompts = prompts[:n_prompts] if prompts is not None else [s.ids[: s.response_start] for s in seqs[:n_prompts]]
+    if not prompts:
+        raise ValueError("no prompts to time on")
     acc = None
     if heads.config.kind == "medusa":
         acc = medusa_rank_accuracy(model, heads, seqs[: max(n_prompts * 4, 32)])
@@ -207,8 +221,15 @@ def pick(cands: list[Candidate], *, tolerance: float = 0.05) -> Candidate:
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--heads", required=True, help="heads directory to tune (rewritten in place)")
-    p.add_argument("--data", required=True, help="the data directory (or comma-separated directories) the heads were trained on")
-    p.add_argument("--prompts-n", type=int, default=8, help="held-out prompts to time on")
+    p.add_argument("--data", default=None,
+                   help="the data directory (or comma-separated directories) the heads were trained on: its held-out "
+                        "split gives the timing prompts (and Medusa's rank accuracy); needed unless --prompts is given "
+                        "for eagle or early-exit heads")
+    p.add_argument("--prompts", default=None,
+                   help="time on a seeded sample (--prompts-n, --seed) of this JSONL prompt file instead of the held-out "
+                        "split: prompts the heads never saw, of the kinds they will serve")
+    p.add_argument("--seed", type=int, default=0, help="which --prompts sample (default 0)")
+    p.add_argument("--prompts-n", type=int, default=8, help="prompts to time on")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
@@ -228,8 +249,15 @@ def check_tune_args(args) -> None:
     if args.recorded:
         return
     check_model_name(args.model)
-    read_heads_config(args.heads)
-    read_meta(args.data)
+    kind = read_heads_config(args.heads).kind
+    if args.data is None and (args.prompts is None or kind == "medusa"):
+        raise ValueError("pass --data, the data the heads were trained on" +
+                         (" (Medusa heads read their rank accuracy from its held-out split)" if args.prompts else
+                          "; or --prompts FILE to time on prompts the heads never saw"))
+    if args.data is not None:
+        read_meta(args.data)
+    if args.prompts is not None:
+        load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)
 
 
 def run_tune(args) -> int:
@@ -243,14 +271,21 @@ def run_tune(args) -> int:
     kind = read_heads_config(args.heads).kind
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
                        device=p.device, dtype=p.dtype, model=loaded.model)
-    seqs = heldout_sequences(args.data, heads)
+    seqs = heldout_sequences(args.data, heads) if args.data is not None else []
+    prompts = None
+    if args.prompts is not None:
+        chat = bool(getattr(loaded.tokenizer, "chat_template", None))
+        prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
+                   for pr in load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)]
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
-                                 tolerance=args.tolerance)
+                                 tolerance=args.tolerance, prompts=prompts)
     for c in cands:
         print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  lookup {c.lookup}  {c.nodes_per_step:5.2f} verified/step  "
               f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
-    search = {"held_out_prompts": min(args.prompts_n, len(seqs)), "max_new_tokens": args.max_new_tokens,
+    timed_on = {"prompts": Path(args.prompts).name, "n_prompts": len(prompts), "seed": args.seed} if prompts else \
+        {"held_out_prompts": min(args.prompts_n, len(seqs))}
+    search = {**timed_on, "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
