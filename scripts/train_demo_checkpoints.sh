@@ -6,7 +6,7 @@
 # drafter's tree by measured decoding speed. The backbone feature pass of Medusa and early exit runs
 # once (in their first command) and is shared through the on-disk cache; the EAGLE head's runs
 # inside its training steps.
-#   scripts/train_demo_checkpoints.sh          (2-core CPU, one run after another: about 1.5 h)
+#   PROMPTS=broad.jsonl PROMPTS_NC=broad-nc.jsonl scripts/train_demo_checkpoints.sh   (2-core CPU, one run after another: hours)
 # Env: THREADS (2), DATA (the three directories of gen_distill_data.sh, comma-separated, the rows stage 1
 # used), WARM_DATA (the same with all self-instruct rows).
 # The MLP adapter ships as early-exit/ because its best tree decoded faster than the layer
@@ -20,10 +20,11 @@ DATA=${DATA:-training/data/smollm2-135m-greedy@6656,training/data/smollm2-135m-s
 # Medusa stage 2 (warm start from stage 1) adds the second round of self-instruct answers.
 WARM_DATA=${WARM_DATA:-training/data/smollm2-135m-greedy@6656,training/data/smollm2-135m-self-instruct@4500,training/data/smollm2-135m-t0.7}
 PROMPTS=${PROMPTS:?set PROMPTS to the broad prompt set (broad.jsonl, rows with a reference answer)}
+PROMPTS_NC=${PROMPTS_NC:?set PROMPTS_NC to the non-commercial broad prompt set (broad-nc.jsonl: eagle stage 5 times its tree on it)}
 CK=checkpoints/smollm2-135m
 LAYER=.cache/heads/smollm2-135m-early-exit-layer
 DRAFT=.cache/drafts/smollm2-135m-draft-2l
-for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/eagle-s4 .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
+for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/eagle-s4 .cache/heads/eagle-3l .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
@@ -65,7 +66,17 @@ c = read_heads_config(".cache/heads/eagle-s4")
 c.decode = read_heads_config(".cache/heads/eagle-final").decode
 write_heads_config(".cache/heads/eagle-s4", asdict(c))
 PY
-mkdir -p "$CK/eagle" && cp .cache/heads/eagle-s4/{config.json,model.safetensors} "$CK/eagle/"
+# Stage 5 (shipped): the head drops the final-state feature (aux layer 30), so that it reads the three layers
+# serving engines capture and exports as EAGLE-3 (docs/serving.md), on more teacher-forced broad rows; then
+# its tree is tuned on prompts of the non-commercial broad set, which no head was trained on
+# (PROMPTS_NC=path/to/broad-nc.jsonl; only their prompts are read, never their answers).
+run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-s4 --loss-rows response --aux-layers 2,15,27 \
+    --data "$SELF",.cache/data/broad-self@128,.cache/data/broad-ref@8000 --steps 700 --lr 3e-4 --warmup 20 \
+    --eval-fraction 0.005 --eval-every 350 --save-every 25 --mixed-precision no --feature-dtype float32 \
+    --out .cache/heads/eagle-3l
+run selfspec tune-tree --model smollm2-135m --heads .cache/heads/eagle-3l --prompts "$PROMPTS_NC" --prompts-n 8 \
+    --repeats 1 "${T[@]}"
+mkdir -p "$CK/eagle" && cp .cache/heads/eagle-3l/{config.json,model.safetensors,tune-tree.json} "$CK/eagle/"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-warm.yaml --data "$WARM_DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$WARM_DATA" "${T[@]}" --prompts-n 6

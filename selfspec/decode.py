@@ -250,7 +250,8 @@ def decode_rows(
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
-    Each row drafts on its own (a copy of ``drafter`` per row beyond the first); one target pass
+    Each row drafts with its own copy of ``drafter`` (``Drafter.draft_rows``: one call for all rows
+    where the drafter batches, Medusa's heads); one target pass
     per step verifies every row's tree; each row accepts, commits and stops on its own, and a
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
@@ -289,7 +290,7 @@ def decode_rows(
         live = _shrink(cache, states, live) if step is None else live
         rows = [states[b] for b in live]
         t1 = time.perf_counter()
-        drafts = [drafters[b].draft(states[b]) for b in live]                       # DRAFT
+        drafts = drafter.draft_rows([drafters[b] for b in live], rows)              # DRAFT
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY

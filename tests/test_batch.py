@@ -120,6 +120,33 @@ def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, step, one_th
             assert stats.tau > 1.8, f"{arch} {drafter.name}: rows should accept deep drafts (tau {stats.tau:.2f})"
 
 
+@pytest.mark.parametrize("token_input", [True, False])
+def test_medusa_drafts_a_batch_in_one_call_exactly_as_row_by_row(token_input, one_thread):
+    """``MedusaDrafter.draft_rows`` (every row's heads in one call) gives each row the tree and tokens
+    its own ``draft`` gives, thresholds, gate and lookup included."""
+    import copy
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("medusa", model, "t", token_input=token_input)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in heads.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    first = MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=0.01, gate=0.1, lookup=3)
+    rows = [copy.copy(first) for _ in range(4)]
+    states = []
+    for i, d in enumerate(rows):
+        d.hidden = torch.randn(model.config.hidden_size, generator=g)
+        ids = torch.randint(3, 97, (9,), generator=g).tolist()
+        states.append(DecodeState(ids=ids + ids[2:5] if i % 2 else ids, cache=None, params=GREEDY, generator=None))
+    together = MedusaDrafter.draft_rows(rows, states)
+    for d, s, got in zip(rows, states, together):
+        alone = d.draft(s)
+        assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
+    assert len({t.tree.size for t in together}) > 1     # the rows' trees differ: the check is not vacuous
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
     model = tiny_model("llama")

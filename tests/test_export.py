@@ -184,15 +184,39 @@ def test_export_heads_cli_writes_a_whole_directory(target, tmp_path, capsys):
     assert main(argv + ["--force"]) == 0
 
 
-def test_shipped_heads_say_which_training_flag_makes_them_exportable(demo, capsys, tmp_path):
-    """The demo's shipped heads use what the engines cannot run; the refusal names the fix."""
+def test_shipped_medusa_heads_say_which_training_flag_makes_them_exportable(demo, capsys, tmp_path):
+    """The demo's shipped Medusa heads read the next token, which the engines cannot run; the refusal
+    names the fix (medusa-portable, below, is the engine-compatible set)."""
     from selfspec.shipped import shipped_heads
 
-    for kind, fmt, fix in (("eagle", "eagle3-sglang", "--aux-layers 2,15,27"),
-                           ("medusa", "medusa-vllm", "--token-input false")):
-        assert main(["export-heads", "--heads", str(shipped_heads("smollm2-135m", kind)), "--format", fmt,
-                     "--out", str(tmp_path / kind)]) == 2
-        assert fix in capsys.readouterr().err
+    assert main(["export-heads", "--heads", str(shipped_heads("smollm2-135m", "medusa")), "--format", "medusa-vllm",
+                 "--out", str(tmp_path / "medusa")]) == 2
+    assert "--token-input false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["eagle3-sglang", "eagle3-speculators"])
+@torch.no_grad()
+def test_shipped_eagle_head_exports_and_reads_back_on_the_real_model(fmt, demo, tmp_path):
+    """The demo's shipped eagle head, exported: the independent reader, fed the real model's hidden
+    states, gives selfspec's features and draft logits for committed and drafted slots."""
+    from selfspec.io import prompt_ids
+    from selfspec.shipped import shipped_heads
+
+    path = shipped_heads("smollm2-135m", "eagle")
+    model = demo.model
+    heads = load_heads(path, expect_kind="eagle", fingerprint=config_fingerprint(model.config), model=model,
+                       dtype=torch.float32)
+    out = export_heads(path, fmt, tmp_path / "out")
+    ids = torch.tensor(prompt_ids(demo.tokenizer, "Write a function that reverses a list.", chat=True))
+    ours = _selfspec_eagle(heads, model, ids, next_token=int(ids[-1]))
+    theirs = _reader_eagle(out, model, ids, next_token=int(ids[-1]))
+    torch.testing.assert_close(theirs[0], ours[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(theirs[1:], ours[1:]):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(a[~torch.isinf(a)], b[~torch.isinf(b)], rtol=1e-3, atol=1e-3)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == heads.draft_vocab.shape[0]
 
 
 @torch.no_grad()

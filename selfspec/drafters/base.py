@@ -76,6 +76,14 @@ class Drafter:
     def draft(self, state: DecodeState) -> Draft:
         raise NotImplementedError
 
+    @classmethod
+    def draft_rows(cls, drafters: list["Drafter"], states: list[DecodeState]) -> list[Draft]:
+        """One step's drafts for a batch: ``drafters[i]`` (a copy per row, holding that row's state)
+        drafts ``states[i]``. Row by row here; a drafter whose model calls batch well overrides it
+        with one call for all rows (Medusa), drawing each row's candidates in row order as the loop
+        would, so sampling consumes the generator alike."""
+        return [d.draft(s) for d, s in zip(drafters, states)]
+
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         """Called after the target committed ``accepted``; ``state`` is already updated."""
 

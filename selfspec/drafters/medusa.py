@@ -45,13 +45,27 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:
+        return self._draft_from(self._logits([self], [state])[0], state)
+
+    @classmethod
+    @torch.no_grad()
+    def draft_rows(cls, drafters: list["MedusaDrafter"], states: list[DecodeState]) -> list[Draft]:
+        """Every row's heads in one call (the row copies share heads, tree and LM-head rows)."""
+        logits = drafters[0]._logits(drafters, states)
+        return [d._draft_from(z, s) for d, z, s in zip(drafters, logits, states)]
+
+    def _logits(self, drafters: list["MedusaDrafter"], states: list[DecodeState]) -> torch.Tensor:
+        """(B, depth, V_draft): only the heads the tree uses, on each row's hidden state (its root: the pending token)."""
         depth = self.tree.depth
-        # Only the heads the tree uses: (depth, H) -> (depth, V_draft). The root is the pending token.
+        hidden = torch.stack([d.hidden for d in drafters])                                       # (B, H)
         root = None
         if self.heads.config.token_input:
-            root = self.backbone.embed(torch.tensor([state.ids[-1]], device=self.hidden.device))[0, 0]  # (H,)
-        h = self.heads.module(self.hidden, root)[:depth]
-        logits = self.project(h)
+            root = self.backbone.embed(torch.tensor([s.ids[-1] for s in states], device=hidden.device))[0]  # (B, H)
+        h = self.heads.module(hidden, root)[:, :depth]                                           # (B, depth, H)
+        return self.project(h.reshape(-1, h.shape[-1])).view(len(drafters), depth, -1)
+
+    def _draft_from(self, logits: torch.Tensor, state: DecodeState) -> Draft:
+        """One row's tree from its heads' logits (depth, V_draft)."""
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
