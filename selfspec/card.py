@@ -173,7 +173,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
             lines.append(f"Heads with a second, wider residual MLP (width): {', '.join(wide)}.")
     elif kind == "eagle":
         aux = cfg["aux_layers"]
-        final = " (transformers' hidden-state indices: the last, N, is the final state after the final norm)"
+        final = " (transformers' hidden-state indices, where N, the layer count, is the final state after the final norm)"
         lines.append(f"An EAGLE-3-class feature head: one decoder layer ({cfg['attn_heads']} attention heads, "
                      f"{cfg['kv_heads']} KV heads, MLP width {cfg['intermediate_size']}) over the target's hidden states "
                      f"after layers {', '.join(str(a) for a in aux)}{final} (fused {len(aux)}H -> H) and the next token's "
