@@ -692,3 +692,13 @@ def test_tune_tree_times_eagle_heads_on_given_prompts(tmp_path, capsys):
     assert "rank accuracy" in capsys.readouterr().err
     assert main(["tune-tree", "--heads", str(tmp_path / "e"), "--prompts", str(tmp_path / "missing.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("var", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_sharded_launches_are_refused_even_where_accelerate_would_fall_back_to_ddp(monkeypatch, var):
+    # On a CPU accelerate runs an FSDP or DeepSpeed launch as plain data parallelism; the launcher's flag tells.
+    from selfspec.training.loop import make_accelerator
+
+    monkeypatch.setenv(var, "true")
+    with pytest.raises(ValueError, match="launches are not supported.*multi_gpu.yaml"):
+        make_accelerator(torch.nn.Linear(2, 2), grad_accum=1)

@@ -9,6 +9,7 @@ batches an uninterrupted run would have.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -178,8 +179,13 @@ def make_accelerator(model, *, grad_accum: int, mixed_precision: str = "auto"):
 
     use_cuda = next(model.parameters()).device.type == "cuda"
     mode = resolve_mixed_precision(mixed_precision, "cuda" if use_cuda else "cpu")
-    accelerator = Accelerator(mixed_precision=mode, gradient_accumulation_steps=grad_accum, cpu=not use_cuda)
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    # accelerate turns an FSDP or DeepSpeed launch on CPU into plain data parallelism without a word,
+    # so the launcher's own flags are read as well as the distributed type it settles on.
+    asked = [k for k, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+             if os.environ.get(var, "false").lower() in ("true", "1")]
+    accelerator = None if asked else Accelerator(mixed_precision=mode, gradient_accumulation_steps=grad_accum,
+                                                 cpu=not use_cuda)
+    kind = asked[0] if asked else str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
         # Checkpoints are written from the unwrapped module, which a sharded run holds only in pieces.
         raise ValueError(f"{kind} launches are not supported: heads and drafts are small enough for data "
