@@ -110,6 +110,10 @@ CASES = [
     ("bench-empty-prompts-file", "bench --model {d}/tiny --prompts {d}/empty.jsonl --methods selfspec-ar --out {o}"),
     ("bench-empty-prompt", "bench --model {d}/tiny --prompts {d}/emptyprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-empty-out", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar --out {d}/full"),
+    ("bench-variant-heads-of-another-kind", "bench --model {d}/tiny --prompts {d}/good.jsonl "
+                                            "--methods selfspec-medusa@{d}/eagle --out {o}"),
+    ("bench-variant-without-heads", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-lookup@{d}/medusa "
+                                    "--out {o}"),
     ("bench-threshold-above-one", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-medusa "
                                   "--medusa-threshold 2 --out {o}"),
     # gen-data

@@ -163,3 +163,29 @@ def test_bench_flags_follow_each_drafters_declared_settings():
     assert settings["early-exit"] == {"tree": "auto", "threshold": "auto"}
     with pytest.raises(SystemExit):
         p.parse_args(["--prompts", "x.jsonl", "--exit-lookup", "3"])   # early exit takes no lookup
+
+
+def test_a_method_can_run_other_heads_beside_its_own(tmp_path):
+    """selfspec-medusa@DIR runs the heads in DIR in the same run as selfspec-medusa's own (an A/B of two
+    trainings); the variant is checked like any method and refused where it means nothing."""
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    one = untrained_heads("medusa", model, "tiny", num_heads=2)
+    save_heads(one, tmp_path / "two-heads")
+    names = parse_methods(f"selfspec-medusa,selfspec-medusa@{tmp_path / 'two-heads'}")
+    assert names == [BASELINE, "selfspec-medusa", f"selfspec-medusa@{tmp_path / 'two-heads'}"]
+    methods, notes = build_methods(names, model=model, tokenizer=None, model_name="tiny", temperature=0.0)
+    assert notes[f"medusa@{tmp_path / 'two-heads'}"] == str(tmp_path / "two-heads") and notes["medusa"] == "untrained"
+    prompts = [Prompt(id=str(i), category="all", text=f"p{i}") for i in range(2)]
+    results = run_bench(methods, prompts, lambda t: torch.tensor([[3, 4, 5 + int(t[1:])]]), model=model,
+                        max_new_tokens=8, temperature=0.0, progress=False)
+    assert results[names[2]]["identical"] is True
+    assert len(results[names[2]]["acceptance_by_depth"]) == 2 and len(results["selfspec-medusa"]["acceptance_by_depth"]) == 4
+    for bad, match in (("selfspec-ar@x", "only a selfspec method with trained heads"),
+                       ("hf-generate@x", "only a selfspec method"), ("selfspec-medusa@", "name a heads directory"),
+                       ("selfspec-warp@x", "unknown method")):
+        with pytest.raises(ValueError, match=match):
+            parse_methods(bad)

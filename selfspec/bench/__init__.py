@@ -16,7 +16,7 @@ from ..settings import DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, S
 from ..shipped import HEADS_DRAFTERS, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, load_prompts, run_bench
-from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods
+from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, split_variant
 from .report import decoding_mode, markdown, write_report
 
 def add_bench_args(p) -> None:
@@ -26,7 +26,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts (with --seed), in file order")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--methods", default="all",
-                   help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())})")
+                   help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())}); "
+                        "a method with heads takes other heads as METHOD@DIR (e.g. selfspec-medusa@out/heads "
+                        "beside selfspec-medusa: two trainings in one run)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
     p.add_argument("--draft-model", default=None, help="draft for hf-assisted / selfspec-draft-model")
@@ -82,10 +84,15 @@ def _check_selfspec_flags(args, names: list[str]) -> None:
     """Trees, thresholds and heads directories of the selfspec methods being run, before anything loads."""
     check_model_name(args.model)
     settings, heads = _method_settings(args), _heads_flags(args)
-    for drafter in dict.fromkeys(SELFSPEC_METHODS[n][0] for n in names if n in SELFSPEC_METHODS):
+    runs = [(SELFSPEC_METHODS[base][0], variant) for base, variant in map(split_variant, names)
+            if base in SELFSPEC_METHODS]
+    for drafter in dict.fromkeys(d for d, _ in runs):
         check_settings(drafter, **settings.get(drafter, {}))
         if heads.get(drafter) is not None:
             read_heads_config(heads[drafter], expect_kind=drafter)
+    for drafter, variant in runs:
+        if variant is not None:
+            read_heads_config(variant, expect_kind=drafter)
     if {"hf-assisted", "selfspec-draft-model"} & set(names):
         path = args.draft_model or shipped_draft(args.model)
         if path is None:

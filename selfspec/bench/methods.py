@@ -28,12 +28,28 @@ def left_padded(batch: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
+def split_variant(name: str) -> tuple[str, str | None]:
+    """"selfspec-medusa@DIR" -> ("selfspec-medusa", "DIR"): the method run with the heads in DIR instead of
+    its --PREFIX-heads (so two trainings of one kind compare in one run); a plain name -> (name, None)."""
+    base, sep, path = name.partition("@")
+    return base, (path if sep else None)
+
+
 def parse_methods(spec: str | None) -> list[str]:
-    """"all" or a comma list -> method names, old names mapped to today's (once each), baseline first if not given."""
+    """"all" or a comma list -> method names, old names mapped to today's (once each), baseline first if not given.
+
+    A selfspec method with heads may name other heads after an "@" (``selfspec-medusa@DIR``)."""
     names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if n not in ALL_METHODS and n not in ALIASES]
+    unknown = [n for n in names if split_variant(n)[0] not in ALL_METHODS and n not in ALIASES]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}")
+    for n in names:
+        base, path = split_variant(n)
+        if path is not None and (base not in SELFSPEC_METHODS or SELFSPEC_METHODS[base][0] not in HEADS_DRAFTERS):
+            raise ValueError(f"{n}: only a selfspec method with trained heads takes @HEADS_DIR "
+                             f"({', '.join(m for m, v in SELFSPEC_METHODS.items() if v[0] in HEADS_DRAFTERS)})")
+        if path is not None and not path:
+            raise ValueError(f"{n}: name a heads directory after the @ (e.g. {base}@out/heads)")
     names = list(dict.fromkeys(ALIASES.get(n, n) for n in names))
     if BASELINE not in names:
         names.insert(0, BASELINE)  # the baseline every speedup is divided by
@@ -160,22 +176,24 @@ def build_methods(
             fn.prepare = prepare
         return fn
 
-    loaded_heads = {}   # heads loaded once per kind, shared by a method and its "-heads" variant
+    loaded_heads = {}   # heads loaded once per (kind, directory), shared by a method and its "-heads" variant
 
-    def heads_for(kind: str):
-        if kind in loaded_heads:
-            return loaded_heads[kind]
-        path = heads.get(kind)
+    def heads_for(kind: str, variant: str | None = None):
+        """The heads of ``kind``: those ``variant`` names (a method@DIR), else the --PREFIX-heads ones."""
+        path = variant if variant is not None else heads.get(kind)
+        if (kind, path) in loaded_heads:
+            return loaded_heads[kind, path]
+        note = kind if variant is None else f"{kind}@{variant}"
         if path is None:
             warnings.warn(f"no {kind} heads given: benchmarking untrained heads (exact, little speed-up)", stacklevel=3)
-            notes[kind] = "untrained"
-            loaded_heads[kind] = untrained_heads(kind, model, model_name)
+            notes[note] = "untrained"
+            loaded_heads[kind, path] = untrained_heads(kind, model, model_name)
         else:
-            notes[kind] = str(path)
+            notes[note] = str(path)
             p = model.get_output_embeddings().weight
-            loaded_heads[kind] = load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config),
-                                            device=p.device, dtype=p.dtype, model=model)
-        return loaded_heads[kind]
+            loaded_heads[kind, path] = load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config),
+                                                  device=p.device, dtype=p.dtype, model=model)
+        return loaded_heads[kind, path]
 
     needs_draft = {"hf-assisted", "selfspec-draft-model"} & set(names)
     if needs_draft and draft_model is None:
@@ -184,12 +202,13 @@ def build_methods(
         notes["draft_model"] = getattr(draft_model, "name_or_path", None) or "given"
 
     def selfspec_method(name: str):
-        drafter, _, pinned = SELFSPEC_METHODS[name]
+        base, variant = split_variant(name)
+        drafter, _, pinned = SELFSPEC_METHODS[base]
         sm = SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name,
-                                  heads=heads_for(drafter) if drafter in HEADS_DRAFTERS else None,
+                                  heads=heads_for(drafter, variant) if drafter in HEADS_DRAFTERS else None,
                                   draft_model=draft_model if drafter == "draft-model" else None,
                                   compile=step if step is not None else False, **{**settings.get(drafter, {}), **pinned})
-        key = name.removeprefix("selfspec-").replace("-", "_")
+        key = base.removeprefix("selfspec-").replace("-", "_") + ("" if variant is None else f"@{variant}")
         for setting, value in asdict(sm.settings).items():
             if value is not None:
                 tree = getattr(sm.drafter, "tree", None) if setting == "tree" else None
