@@ -24,7 +24,7 @@ PROMPTS_NC=${PROMPTS_NC:?set PROMPTS_NC to the non-commercial broad prompt set (
 CK=checkpoints/smollm2-135m
 LAYER=.cache/heads/smollm2-135m-early-exit-layer
 DRAFT=.cache/drafts/smollm2-135m-draft-2l
-for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/eagle-s4 .cache/heads/eagle-3l .cache/heads/medusa-v2 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
+for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/eagle-final .cache/heads/eagle-s4 .cache/heads/eagle-3l .cache/heads/medusa-v2 .cache/heads/medusa-v3 .cache/heads/medusa-v4 .cache/heads/medusa-s4 "$CK/medusa" "$CK/early-exit" "$LAYER" "$DRAFT"; do
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
@@ -79,7 +79,19 @@ run selfspec tune-tree --model smollm2-135m --heads .cache/heads/eagle-3l --prom
 mkdir -p "$CK/eagle" && cp .cache/heads/eagle-3l/{config.json,model.safetensors,tune-tree.json} "$CK/eagle/"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-warm.yaml --data "$WARM_DATA" "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads "$CK/medusa" --data "$WARM_DATA" "${T[@]}" --prompts-n 6
+run selfspec train-heads --config training/recipes/smollm2-135m-medusa-mlp.yaml --data "$WARM_DATA" "${T[@]}"
+run selfspec tune-tree --model smollm2-135m --heads .cache/heads/medusa-v4 --data "$WARM_DATA" "${T[@]}" --prompts-n 8
+# Medusa stage 4 (shipped): the target's own answers to broad prompts join the mix; the tree, gate and lookup
+# stage 3's tune-tree picked are kept (not re-timed).
+run selfspec train-heads --config training/recipes/smollm2-135m-medusa-broad.yaml "${T[@]}"
+python - <<'PY'
+from dataclasses import asdict
+from selfspec.heads import read_heads_config, write_heads_config
+c = read_heads_config(".cache/heads/medusa-s4")
+c.decode = read_heads_config(".cache/heads/medusa-v4").decode
+write_heads_config(".cache/heads/medusa-s4", asdict(c))
+PY
+mkdir -p "$CK/medusa" && cp .cache/heads/medusa-s4/{config.json,model.safetensors} .cache/heads/medusa-v4/tune-tree.json "$CK/medusa/"
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml --data "$DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 6
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit-layer.yaml --data "$DATA" "${T[@]}"
