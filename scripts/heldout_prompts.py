@@ -14,8 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+from pathlib import Path
+
+
+def _fail(message: str) -> int:
+    print(f"heldout_prompts: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str]) -> int:
@@ -25,22 +32,35 @@ def main(argv: list[str]) -> int:
     p.add_argument("--per-source", type=int, default=4)
     p.add_argument("--seed", type=int, default=11)
     args = p.parse_args(argv)
+    if args.per_source < 1:
+        return _fail(f"--per-source must be at least 1 (got {args.per_source})")
     by_source: dict[str, list[dict]] = {}
-    with open(args.source) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "prompt" not in row or "source" not in row:
-                print(f"{args.source}:{n}: a row needs \"source\" and \"prompt\"", file=sys.stderr)
-                return 2
-            by_source.setdefault(row["source"], []).append(row)
+    try:
+        with open(args.source) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return _fail(f"{args.source}:{n}: not a JSON line")
+                if not isinstance(row, dict) or "prompt" not in row or "source" not in row:
+                    return _fail(f"{args.source}:{n}: a row needs \"source\" and \"prompt\"")
+                by_source.setdefault(row["source"], []).append(row)
+    except OSError as e:
+        return _fail(f"cannot read {args.source}: {e.strerror}")
+    if not by_source:
+        return _fail(f"{args.source} holds no prompts")
     rng = random.Random(args.seed)
     rows = [{"id": r.get("id"), "category": src.split("_")[0], "prompt": r["prompt"]}
             for src in sorted(by_source) for r in rng.sample(by_source[src], min(args.per_source, len(by_source[src])))]
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"wrote {len(rows)} prompts ({len(by_source)} sources) to {args.out}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        return _fail(f"{out.parent} does not exist: create it first")
+    tmp = out.with_name(f".{out.name}.tmp")   # written whole, then renamed: never half a file at OUT
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, out)
+    print(f"wrote {len(rows)} prompts ({len(by_source)} sources) to {out}")
     return 0
 
 

@@ -28,6 +28,18 @@ for d in .cache/heads/smollm2-135m-eagle .cache/heads/eagle-self .cache/heads/ea
     [ -e "$d/trainer_state.pt" ] && { echo "$d already holds a run: move it away first" >&2; exit 2; }
 done
 run() { echo "=== $* ($(date -u +%H:%M:%S))"; "$@"; }
+# keep_decode FROM TO: a warm-started stage keeps the decode settings (tree, threshold, gate, lookup) that
+# tune-tree picked for the stage it started from, written into TO's config.json.
+keep_decode() {
+    python - "$1" "$2" <<'PY'
+import sys
+from dataclasses import asdict
+from selfspec.heads import read_heads_config, write_heads_config
+c = read_heads_config(sys.argv[2])
+c.decode = read_heads_config(sys.argv[1]).decode
+write_heads_config(sys.argv[2], asdict(c))
+PY
+}
 T=(--threads "$THREADS")
 run selfspec gen-data --model smollm2-135m --prompts "$PROMPTS" --references --max-new-tokens 256 --out .cache/data/broad-ref
 SELF=training/data/smollm2-135m-greedy,training/data/smollm2-135m-t0.7,training/data/smollm2-135m-self-instruct
@@ -59,13 +71,7 @@ run selfspec gen-data --model smollm2-135m --prompts .cache/prompts/broad-shuf.j
 run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-final --loss-rows response --aux-layers 2,15,27,30 \
     --data "$SELF",.cache/data/broad-self@128,.cache/data/broad-ref@3000 --steps 700 --lr 3e-4 --warmup 20 \
     --eval-fraction 0.005 --eval-every 175 --save-every 50 --mixed-precision bf16 --out .cache/heads/eagle-s4
-python - <<'PY'   # stage 4 keeps stage 3's tuned tree and lookup (not re-tuned)
-from dataclasses import asdict
-from selfspec.heads import read_heads_config, write_heads_config
-c = read_heads_config(".cache/heads/eagle-s4")
-c.decode = read_heads_config(".cache/heads/eagle-final").decode
-write_heads_config(".cache/heads/eagle-s4", asdict(c))
-PY
+keep_decode .cache/heads/eagle-final .cache/heads/eagle-s4   # stage 4 keeps stage 3's tuned tree and lookup (not re-tuned)
 # Stage 5 (shipped): the head drops the final-state feature (aux layer 30), so that it reads the three layers
 # serving engines capture and exports as EAGLE-3 (docs/serving.md), on more teacher-forced broad rows; then
 # its tree is tuned on prompts of the non-commercial broad set, which no head was trained on
@@ -84,13 +90,7 @@ run selfspec tune-tree --model smollm2-135m --heads .cache/heads/medusa-v4 --dat
 # Medusa stage 4 (shipped): the target's own answers to broad prompts join the mix; the tree, gate and lookup
 # stage 3's tune-tree picked are kept (not re-timed).
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-broad.yaml "${T[@]}"
-python - <<'PY'
-from dataclasses import asdict
-from selfspec.heads import read_heads_config, write_heads_config
-c = read_heads_config(".cache/heads/medusa-s4")
-c.decode = read_heads_config(".cache/heads/medusa-v4").decode
-write_heads_config(".cache/heads/medusa-s4", asdict(c))
-PY
+keep_decode .cache/heads/medusa-v4 .cache/heads/medusa-s4
 mkdir -p "$CK/medusa" && cp .cache/heads/medusa-s4/{config.json,model.safetensors} .cache/heads/medusa-v4/tune-tree.json "$CK/medusa/"
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml --data "$DATA" "${T[@]}"
 run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 6
