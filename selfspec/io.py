@@ -37,6 +37,18 @@ def atomic_path(path: str | os.PathLike, *, mode: int | None = SHARED_FILE_MODE,
             os.unlink(tmp)
 
 
+def remove_stale_temporaries(directory: str | os.PathLike) -> None:
+    """Delete the temporaries (files or directories named TMP_PREFIX...) a killed writer left in ``directory``.
+    Call it only where no live writer can own them (a run that holds the directory)."""
+    for p in Path(directory).iterdir():
+        if not p.name.startswith(TMP_PREFIX):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)   # another process of the same run may have removed it first
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = SHARED_FILE_MODE) -> None:
     """Replace ``path`` with ``data`` whole (see :func:`atomic_path`)."""
     with atomic_path(path, mode=mode) as tmp:

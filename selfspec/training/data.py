@@ -31,7 +31,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import zlib
@@ -42,7 +41,7 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
-from ..io import atomic_dir, atomic_write_text, prompt_ids
+from ..io import atomic_dir, atomic_write_text, prompt_ids, remove_stale_temporaries
 from .cli_args import at_least, check_input_file
 
 log = logging.getLogger(__name__)
@@ -312,7 +311,7 @@ def generate_distillation_data(
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir):
-        _remove_stale_temporaries(out_dir)
+        remove_stale_temporaries(out_dir)   # the directory lock guarantees no live writer owns them
         _check_or_write_meta(out_dir, meta)
         tokens = read_meta(out_dir).get("token_dtype", "int32")   # a directory keeps the layout it began with
         shards = _finished_shards(out_dir)
@@ -519,15 +518,6 @@ def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
     if any(not p.name.startswith(TMP_PREFIX) for p in out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty and has no {META_FILE}: pick a new or empty output directory")
     atomic_write_text(path, json.dumps(meta, indent=2) + "\n")
-
-
-def _remove_stale_temporaries(out_dir: Path) -> None:
-    # Only a killed run leaves these; the directory lock guarantees no live writer owns them.
-    for p in out_dir.iterdir():
-        if p.name.startswith(TMP_PREFIX) and p.is_dir():
-            shutil.rmtree(p)
-        elif p.name.startswith(TMP_PREFIX):
-            p.unlink()
 
 
 @contextlib.contextmanager

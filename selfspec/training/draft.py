@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..io import remove_stale_temporaries
 from ..backbone import config_fingerprint
 from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
 from .checkpoint import STATE_FILE, check_resumable
@@ -96,6 +97,8 @@ def train_draft(
     state_path = out / STATE_FILE
     if state_path.is_file() and not resume:
         raise ValueError(f"{out} already holds a training run: pass --resume to continue it, or choose another --out")
+    if out.is_dir():
+        remove_stale_temporaries(out)   # a killed run's half-written checkpoint files
 
     accelerator = make_accelerator(model, grad_accum=config.grad_accum)
     device = accelerator.device

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..io import remove_stale_temporaries
 from ..heads import KINDS
 from .checkpoint import STATE_FILE, check_resumable
 from .cli_args import check_training_config, flag_type, run_module
@@ -114,6 +115,8 @@ def train_heads(
     state_path = out / STATE_FILE
     if state_path.is_file() and not resume:
         raise ValueError(f"{out} already holds a training run: pass --resume to continue it, or choose another --out")
+    if out.is_dir():
+        remove_stale_temporaries(out)   # a killed run's half-written checkpoint files
 
     accelerator = make_accelerator(model, grad_accum=config.grad_accum, mixed_precision=config.mixed_precision)
     device = accelerator.device
