@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from .backbone import Backbone, config_fingerprint
 from .decode import DecodeStats, decode_rows
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
                        check_drafter_name)
+from .drafters.base import draft_dtype
 from .drafters.eagle import parse_dynamic_tree
 from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
+from .projection import few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
 from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
@@ -161,6 +164,10 @@ class SelfSpeculativeModel:
         else:
             self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
                                              vocab_size=self.backbone.vocab_size, threshold=st.threshold)
+        # Few-row products of a big model's layers in their fastest layout on CPU (projection.py); compiled
+        # steps are left to torch.compile.
+        self.linears = nullcontext() if self.step is not None else \
+            few_row_linears(model, getattr(self.drafter, "model", None))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -222,6 +229,8 @@ class SelfSpeculativeModel:
                 raise ValueError("drafter='draft-model' needs draft_model= (a model directory, .gguf, or hub id)")
             if isinstance(draft_model, (str, os.PathLike)):
                 draft = load_model(str(draft_model), dtype=dtype, device=device).model
+                w = draft.get_output_embeddings().weight
+                draft.to(draft_dtype(w.device, w.dtype))   # ours alone: converted here, not copied by the drafter
             else:
                 draft = draft_model
         elif heads is not None or draft_model is not None:
@@ -302,9 +311,10 @@ class SelfSpeculativeModel:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         on_tokens = (lambda _row, toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
-        new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
-                                 max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                 on_tokens=on_tokens, step=self.step)
+        with self.linears:
+            new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
+                                     max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
+                                     on_tokens=on_tokens, step=self.step)
         if streamer is not None:
             streamer.end()
         self.last_stats = stats

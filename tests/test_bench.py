@@ -88,6 +88,8 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
         for cat in m["per_category"].values():
             assert set(cat) == {"tokens_per_s", "speedup", "tau"}
     assert results[BASELINE]["speedup"] == pytest.approx(1.0) and results[BASELINE]["tau"] == 1.0
+    # hf-assisted-bf16 and selfspec-draft-model draft in bfloat16 on copies: hf-assisted's draft is left as given.
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
     assert results["selfspec-medusa"]["tau"] >= 1.0 and len(results["selfspec-medusa"]["acceptance_by_depth"]) == 4
     assert 0 <= results["selfspec-early-exit"]["draft_share"] <= 1
     # The "-heads" variants run the same heads and tree with the context lookup off.

@@ -181,9 +181,28 @@ def test_draft_model_identical_to_target_accepts_everything():
     bb = Backbone(model)
     ids = _prompt(model.config.vocab_size, seed=4)
     ref = hf_greedy(model, ids, N_NEW)
-    out, stats = _run(model, DraftModelDrafter(tiny_model("qwen2"), build_tree(chain(5)), vocab_size=bb.vocab_size), ids)
+    # float32 drafting: the draft is then the target itself, bit for bit (see the bfloat16 test below).
+    out, stats = _run(model, DraftModelDrafter(tiny_model("qwen2"), build_tree(chain(5)), vocab_size=bb.vocab_size,
+                                               dtype=torch.float32), ids)
     assert torch.equal(out, ref)
     assert stats.tau > 5.5
+
+
+def test_draft_model_drafting_in_bfloat16_is_exact_and_leaves_the_given_model_alone():
+    """The draft may run in bfloat16 (the default on CPUs with BF16 instructions): it only proposes.
+    The drafter then works on a copy, so a caller still using the float32 model (the bench's
+    transformers assisted generation) is unaffected."""
+    model = tiny_model("qwen2")
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=4)
+    ref = hf_greedy(model, ids, N_NEW)
+    given = tiny_model("qwen2")
+    drafter = DraftModelDrafter(given, build_tree(chain(4)), vocab_size=bb.vocab_size, dtype=torch.bfloat16)
+    assert drafter.model is not given and next(drafter.model.parameters()).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in given.parameters())
+    out, stats = _run(model, drafter, ids)
+    assert torch.equal(out, ref)
+    assert stats.tau > 2.0   # a bfloat16 copy of the target itself still agrees with it on most tokens
 
 
 @pytest.mark.parametrize("threshold", [0.004, 0.06])   # tiny random models: top probabilities ~0.05-0.1
@@ -290,3 +309,20 @@ def test_every_lm_head_layout_keeps_the_drafters_exact(monkeypatch, layout):
         if hasattr(drafter, "project"):
             assert drafter.project.choice, f"{drafter.name}'s draft head never went through the projection"
     assert set(bb.head.choice.values()) == ({"linear"} if layout == "linear" else {"weight-major", "weight-major-pad2"})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_few_row_linears_keep_decoding_exact(arch):
+    """With every product of a few rows in its fastest layout (``FewRowLinears``, on for big models on
+    CPU; forced here on a tiny one), speculative greedy still equals transformers' plain greedy."""
+    from selfspec.projection import FewRowLinears
+    model = tiny_model(arch)
+    bb = Backbone(model)
+    ids = _prompt(model.config.vocab_size, seed=6)
+    ref = hf_greedy(model, ids, N_NEW)
+    drafter = DraftModelDrafter(tiny_model(arch, seed=5), build_tree(chain(3)), vocab_size=bb.vocab_size)
+    mode = FewRowLinears(min_elements=1)
+    with mode:
+        out, stats = _run(model, drafter, ids)
+    assert torch.equal(out, ref)
+    assert mode.by_shape and stats.drafted > 0   # it did reroute, and verified several rows at a time

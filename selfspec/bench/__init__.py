@@ -15,7 +15,7 @@ from ..loading import check_model_name, load_model
 from ..settings import DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
 from ..shipped import HEADS_DRAFTERS, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_output_dir, check_sampling
-from .harness import ALIASES, ALL_METHODS, load_prompts, run_bench
+from .harness import ALIASES, ALL_METHODS, DRAFT_METHODS, load_prompts, run_bench
 from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, split_variant
 from .report import decoding_mode, markdown, write_report
 
@@ -31,7 +31,7 @@ def add_bench_args(p) -> None:
                         "beside selfspec-medusa: two trainings in one run)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
-    p.add_argument("--draft-model", default=None, help="draft for hf-assisted / selfspec-draft-model")
+    p.add_argument("--draft-model", default=None, help="draft for hf-assisted(-bf16) / selfspec-draft-model")
     for prefix, drafter in flag_prefixes().items():   # --medusa-heads, --medusa-tree, --exit-threshold, ...
         if drafter in HEADS_DRAFTERS:
             p.add_argument(f"--{prefix}-heads", default=None,
@@ -93,10 +93,10 @@ def _check_selfspec_flags(args, names: list[str]) -> None:
     for drafter, variant in runs:
         if variant is not None:
             read_heads_config(variant, expect_kind=drafter)
-    if {"hf-assisted", "selfspec-draft-model"} & set(names):
+    if DRAFT_METHODS & set(names):
         path = args.draft_model or shipped_draft(args.model)
         if path is None:
-            raise ValueError("hf-assisted / selfspec-draft-model need --draft-model PATH (e.g. from `selfspec export`)")
+            raise ValueError("hf-assisted, hf-assisted-bf16 and selfspec-draft-model need --draft-model PATH (e.g. from `selfspec export`)")
         check_model_name(str(path))
 
 
@@ -107,7 +107,7 @@ def run_bench_cli(args) -> int:
     torch.set_num_threads(threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = None
-    if {"hf-assisted", "selfspec-draft-model"} & set(names):
+    if DRAFT_METHODS & set(names):
         path = args.draft_model or shipped_draft(args.model)
         draft = load_model(str(path), dtype=args.dtype, device=args.device).model
     heads = {kind: path or shipped_heads(args.model, kind) for kind, path in _heads_flags(args).items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import asdict
 
@@ -13,7 +14,7 @@ from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
 from ..shipped import HEADS_DRAFTERS
 from ..step import StaticStep
-from .harness import ALIASES, ALL_METHODS, BASELINE, Method
+from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -195,7 +196,7 @@ def build_methods(
                                                   device=p.device, dtype=p.dtype, model=model)
         return loaded_heads[kind, path]
 
-    needs_draft = {"hf-assisted", "selfspec-draft-model"} & set(names)
+    needs_draft = DRAFT_METHODS & set(names)
     if needs_draft and draft_model is None:
         raise ValueError(f"{', '.join(sorted(needs_draft))} need a draft model: pass --draft-model PATH")
     if needs_draft:
@@ -223,6 +224,8 @@ def build_methods(
             fn = hf_static()
         elif name == "hf-assisted":
             fn = hf(assistant_model=draft_model)
+        elif name == "hf-assisted-bf16":
+            fn = hf(assistant_model=copy.deepcopy(draft_model).to(torch.bfloat16))
         elif name == "hf-early-exit":
             fn = hf(assistant_early_exit=default_exit_layer(n_layers))
         elif name == "hf-prompt-lookup":

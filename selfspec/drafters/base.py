@@ -13,6 +13,18 @@ from ..tree import Tree, build_tree, prune
 from ..verify import Accepted
 
 
+def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
+    """The precision a drafter with weights of its own (an EAGLE head, a draft model) drafts in.
+    Drafts only propose (the target's pass decides), so precision costs acceptance at most, never
+    exactness. On a CPU with BF16 instructions (AVX512-BF16, AMX) a float32 target's drafter drafts
+    in bfloat16: its few-row products, a draft-vocabulary LM head above all, run several times
+    faster there. Elsewhere the target's dtype."""
+    if device.type == "cpu" and target_dtype == torch.float32 and torch.backends.mkldnn.is_available() \
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return target_dtype
+
+
 @dataclass
 class DecodeState:
     """Invariant: ``cache`` holds every token of ``ids`` except the last, the *pending* token

@@ -16,6 +16,10 @@ falls below it (the doubtful node is dropped too, as ``tree.prune`` drops it), s
 is not spent on tokens the target will likely reject; a step whose first draft is doubtful
 proposes nothing. On a CPU, where a big draft's forward is a third of the target's, this is
 where the two-model drafter wins or loses.
+
+Precision: the draft runs in ``draft_dtype`` (bfloat16 for a float32 target on a CPU with BF16
+instructions, where its forward is mostly weight reads), on a copy when the given model is in
+another dtype; ``dtype=`` overrides. Drafts only propose, so this never changes the output.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ..backbone import Backbone
 from ..projection import Projection
 from ..tree import Tree, additive_mask
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_threshold, layout, pruned, row_candidates
+from .base import DecodeState, Draft, Drafter, TargetOut, check_threshold, draft_dtype, layout, pruned, row_candidates
 
 
 def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
@@ -58,15 +62,20 @@ def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
 class DraftModelDrafter(Drafter):
     name = "draft-model"
 
-    def __init__(self, draft_model: torch.nn.Module, tree: Tree, *, vocab_size: int, threshold: float = 0.0):
+    def __init__(self, draft_model: torch.nn.Module, tree: Tree, *, vocab_size: int, threshold: float = 0.0,
+                 dtype: torch.dtype | None = None):
         if not tree.is_chain:
             raise ValueError("the draft-model drafter drafts a chain: use tree='chain-K'")
         draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
         if draft_vocab < vocab_size:
             raise ValueError(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({vocab_size}): "
                              "the draft must share the target's tokenizer")
-        self.model = draft_model
-        self.backbone = Backbone(draft_model)
+        w = draft_model.get_output_embeddings().weight
+        self.dtype = dtype or draft_dtype(w.device, w.dtype)
+        # A copy in the drafting dtype when it differs: the caller's model (which transformers'
+        # assisted generation may also be using, as in the bench) stays as it was.
+        self.model = draft_model if self.dtype == w.dtype else copy.deepcopy(draft_model).to(self.dtype)
+        self.backbone = Backbone(self.model)
         self.tree = tree
         self.vocab_size = vocab_size
         self.threshold = check_threshold(threshold)
@@ -74,10 +83,10 @@ class DraftModelDrafter(Drafter):
         self.seen = 0  # tokens of state.ids in self.cache
         self.fed = 0   # drafted tokens fed to the cache in the last step
         subset = getattr(draft_model.config, "selfspec_draft_vocab", None)
-        w = draft_model.get_output_embeddings().weight
+        w = self.model.get_output_embeddings().weight
         self.vocab = None if subset is None else torch.as_tensor(subset, dtype=torch.long, device=w.device)
         # Scores only the target's vocabulary (or the draft's subset of it), in the fastest layout.
-        b = getattr(draft_model.get_output_embeddings(), "bias", None)
+        b = getattr(self.model.get_output_embeddings(), "bias", None)
         rows = slice(0, vocab_size) if self.vocab is None else self.vocab
         self.project = Projection(w[rows], None if b is None else b[rows])
 
@@ -101,7 +110,7 @@ class DraftModelDrafter(Drafter):
         self.seen += n
         h = bb.run_layers(bb.embed(x), start=0, end=bb.num_layers, position_ids=pos, attention_mask=mask,
                           cache=self.cache)
-        return self.project(bb.final_norm(h[0, -1:]))[0]
+        return self.project(bb.final_norm(h[0, -1:]))[0].float()
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:

@@ -45,19 +45,8 @@ from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
 from ..tree import additive_mask, tree_from_parents
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, full_vocab
+from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, draft_dtype, full_vocab
 from .lookup import with_lookup
-
-
-def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
-    """The precision the head drafts in. Drafts only propose (the target's pass decides), so precision
-    costs acceptance at most, never exactness. On a CPU with BF16 instructions (AVX512-BF16, AMX) a
-    float32 target's head drafts in bfloat16: its few-row products, the draft-vocabulary LM head
-    above all, run several times faster there. Elsewhere the target's dtype."""
-    if device.type == "cpu" and target_dtype == torch.float32 and torch.backends.mkldnn.is_available() \
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return target_dtype
 
 
 def check_dynamic_tree(depth: int, expand: int, nodes: int) -> tuple[int, int, int]:

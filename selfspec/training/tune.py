@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from ..heads import Heads, load_heads, read_heads_config, write_heads_config
 from ..bench.harness import load_prompts as load_bench_prompts
 from ..io import atomic_write_text, prompt_ids
 from ..loading import check_model_name, load_model
+from ..projection import few_row_linears
 from ..sampling import SamplingParams
 from ..settings import DecodeSettings
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
@@ -127,10 +129,13 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
-def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int) -> tuple[int, float, int, int, int]:
-    """Greedy-decode one prompt: (tokens, wall seconds, steps, tokens committed, draft nodes verified)."""
-    new, st = decode(bb, drafter, prompt.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
-                     eos_token_ids=set(), generator=None)
+def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int,
+         linears=nullcontext()) -> tuple[int, float, int, int, int]:
+    """Greedy-decode one prompt: (tokens, wall seconds, steps, tokens committed, draft nodes verified).
+    ``linears``: what ``SelfSpeculativeModel.generate`` decodes under (``projection.few_row_linears``)."""
+    with linears:
+        new, st = decode(bb, drafter, prompt.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
+                         eos_token_ids=set(), generator=None)
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
@@ -170,8 +175,10 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
         make = lambda spec, t, g, k: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
                                                       threshold=t)
     drafters = [NoDrafter(bb.device)] + [make(*cand) for cand in grid]   # index 0: the plain reference
+    linears = few_row_linears(model)
+    run = lambda d, prompt, n: _run(bb, d, prompt, n, linears)  # noqa: E731
     for d in drafters:  # warm-up, and the LM-head projection times its layouts for each tree size here
-        _run(bb, d, prompts[0], 4)
+        run(d, prompts[0], 4)
     runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
     ratios: list[list[float]] = [[] for _ in drafters]
     bar = tqdm(total=repeats * len(prompts) * len(drafters), desc="tune-tree", disable=not progress)
@@ -183,7 +190,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
             turn += 1
             here = {}
             for i in order:
-                here[i] = _run(bb, drafters[i], prompt, max_new_tokens)
+                here[i] = run(drafters[i], prompt, max_new_tokens)
                 runs[i].append(here[i])
                 bar.update(1)
             plain = here[0][0] / here[0][1]
