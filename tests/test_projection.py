@@ -2,11 +2,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from selfspec.projection import LAYOUTS, MAX_TUNED_ROWS, MIN_TUNED_ELEMENTS, FewRowLinears, Projection, few_row_linears
+from selfspec.projection import (LAYOUTS, MAX_TUNED_ROWS, MIN_TUNED_ELEMENTS, FewRowLinears, Projection, candidate_layouts,
+                                 few_row_linears)
 
 
-@pytest.mark.parametrize("name,rows", [(n, r) for n in sorted(LAYOUTS) for r in (1, 2, 3, 5)
-                                       if n != "weight-major-pad2" or r == 1])  # padding is for one row
+@pytest.mark.parametrize("name,rows", [(n, r) for r in (1, 2, 3, 4, 5) for n in candidate_layouts(r)])
 def test_every_layout_computes_the_same_product(name, rows):
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(300, 16, generator=g), torch.randn(rows, 16, generator=g)
@@ -28,8 +28,9 @@ def test_tuned_projection_matches_linear_and_remembers_its_choice():
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     # One timing per row count, with every candidate layout measured (padding only for one row).
     assert sorted(proj.choice) == [1, 3, 4]
-    assert set(proj.timings[1]) == set(LAYOUTS)
-    assert set(proj.timings[3]) == {"linear", "weight-major"}
+    assert set(proj.timings[1]) == set(candidate_layouts(1)) == {"linear", "weight-major", "weight-major-pad2"}
+    assert set(proj.timings[3]) == {"linear", "weight-major", "weight-major-pairs"}
+    assert set(proj.timings[4]) == {"linear", "weight-major", "weight-major-pairs"}
     assert all(proj.choice[r] == min(t, key=t.get) for r, t in proj.timings.items())
     before = dict(proj.timings)
     proj(torch.randn(3, 64, generator=g))

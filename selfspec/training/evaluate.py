@@ -169,7 +169,7 @@ def eval_draft(model, tokenizer, draft, prompts: list[dict], *, max_new_tokens: 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--heads", required=True, help="a heads directory (Medusa or early-exit), or a draft from `selfspec train-draft`")
+    p.add_argument("--heads", required=True, help="a heads directory (Medusa, early-exit or eagle), or a draft from `selfspec train-draft`")
     p.add_argument("--prompts", required=True, help="JSONL with a prompt per line, e.g. dev.jsonl (never the training prompts)")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts")
     p.add_argument("--sample", type=int, default=None, help="a seeded random N prompts, as `selfspec bench --sample`")
