@@ -78,10 +78,11 @@ def candidate_layouts(rows: int) -> list[str]:
 class Projection:
     """``x (..., H) -> x @ weight.T (..., V)`` with the layout measured fastest for x's row count."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, autotune: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, autotune: bool = True,
+                 min_elements: int | None = None):
         self.weight = weight                            # (V, H)
         self.bias = bias                                # (V,) or None
-        self.autotune = autotune and weight.numel() >= MIN_TUNED_ELEMENTS
+        self.autotune = autotune and weight.numel() >= (MIN_TUNED_ELEMENTS if min_elements is None else min_elements)
         self.choice: dict[int, str] = {}               # rows -> layout name
         self.timings: dict[int, dict[str, float]] = {}  # rows -> {layout: best seconds}
 
@@ -134,8 +135,7 @@ class FewRowLinears(TorchFunctionMode):
                 key = (tuple(w.shape), w.dtype, torch.get_num_threads())
                 proj = self.by_shape.get(key)
                 if proj is None:
-                    proj = self.by_shape[key] = Projection(w)
-                    proj.autotune = True
+                    proj = self.by_shape[key] = Projection(w, min_elements=self.min_elements)
                 return proj.apply(x, w, bias)
         return func(*args, **kwargs)
 

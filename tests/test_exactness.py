@@ -281,7 +281,7 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, thresh
     torch.testing.assert_close(drafter.adapter_cache.layer(0)[1][:, :, :n], fresh.layer(0)[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["linear", "weight-major"])
+@pytest.mark.parametrize("layout", ["linear", "weight-major", "weight-major-pairs"])
 def test_every_lm_head_layout_keeps_the_drafters_exact(monkeypatch, layout):
     """The LM-head projection picks a layout by timing; force each one (one row: padded) on a tiny model."""
     from selfspec import projection
@@ -308,7 +308,7 @@ def test_every_lm_head_layout_keeps_the_drafters_exact(monkeypatch, layout):
         assert torch.equal(out, ref), f"{layout}: {drafter.name} diverged from plain greedy"
         if hasattr(drafter, "project"):
             assert drafter.project.choice, f"{drafter.name}'s draft head never went through the projection"
-    assert set(bb.head.choice.values()) == ({"linear"} if layout == "linear" else {"weight-major", "weight-major-pad2"})
+    assert set(bb.head.choice.values()) == ({"linear"} if layout == "linear" else {layout, "weight-major-pad2"})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
