@@ -233,7 +233,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "export-heads": ("write trained heads in the layout SGLang, vLLM or TGI loads", add_export_heads),
     "train-heads": ("fit Medusa heads, the early-exit head or an EAGLE head by self-distillation", setup_train_heads),
     "train-draft": ("distil the target's first L layers into a standalone draft model", setup_train_draft),
-    "tune-tree": ("time candidate trees for trained heads on held-out prompts; keep the fastest", setup_tune),
+    "tune-tree": ("time candidate trees for trained heads (or chains for a draft model) on held-out prompts; keep the fastest", setup_tune),
     "eval-heads": ("per-head top-1/top-5 accuracy of trained heads on prompts they never saw", setup_eval),
     "bench": ("compare decoding methods side by side against transformers' generate", setup_bench),
     "gen-data": ("self-distillation data: the target answers prompts (resumable)", setup_gen_data),

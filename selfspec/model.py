@@ -34,6 +34,7 @@ from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_hea
 from .settings import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS, check_settings,
                        default_exit_layer, resolve_settings)
 from .tree import build_tree, parse_tree
+from .tuned_pairs import pair_decode
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class SelfSpeculativeModel:
         self.last_stats: DecodeStats | None = None
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
+        if drafter_name == "draft-model" and draft_model is not None:
+            decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
         st = resolve_settings(drafter_name, decode, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         self.settings = st   # what this drafter runs with (DrafterSettings; None where it takes no such setting)
         if drafter_name == "none":
@@ -183,7 +186,8 @@ class SelfSpeculativeModel:
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
         "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit / eagle / draft-model; each step
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
-        the value ``selfspec tune-tree`` measured fastest, 0 for heads never tuned). gate: medusa only; a step
+        the value ``selfspec tune-tree`` measured fastest for these heads, or for this target and draft model
+        with ``tune-tree --draft-model``; 0 when never tuned). gate: medusa only; a step
         whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;
         "auto" as for threshold). lookup: medusa; each greedy step also proposes up to this many tokens
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).

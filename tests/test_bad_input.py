@@ -133,6 +133,12 @@ CASES = [
     # eval-heads / tune-tree / export / synth-prompts
     ("eval-heads-truncated-heads", "eval-heads --model {d}/tiny --heads {d}/trunc-medusa --prompts {d}/good.jsonl"),
     ("tune-tree-repeats-zero", "tune-tree --model {d}/tiny --heads {d}/medusa --data {d}/data --repeats 0"),
+    ("tune-tree-neither-heads-nor-draft", "tune-tree --model {d}/tiny --data {d}/data"),
+    ("tune-tree-heads-and-draft", "tune-tree --model {d}/tiny --heads {d}/medusa --draft-model {d}/tiny "
+                                  "--prompts {d}/good.jsonl"),
+    ("tune-tree-draft-without-prompts", "tune-tree --model {d}/tiny --draft-model {d}/tiny"),
+    ("tune-tree-draft-with-data", "tune-tree --model {d}/tiny --draft-model {d}/tiny --data {d}/data "
+                                  "--prompts {d}/good.jsonl"),
     ("export-non-empty-out", "export --model {d}/tiny --layers 2 --out {d}/full"),
     ("synth-out-not-jsonl", "synth-prompts --model {d}/tiny --seeds {d}/good.jsonl --out {o}.txt"),
     # the demo model's name: shipped heads and drafts, checked before it loads

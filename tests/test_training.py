@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -702,3 +703,71 @@ def test_sharded_launches_are_refused_even_where_accelerate_would_fall_back_to_d
     monkeypatch.setenv(var, "true")
     with pytest.raises(ValueError, match="launches are not supported.*multi_gpu.yaml"):
         make_accelerator(torch.nn.Linear(2, 2), grad_accum=1)
+
+
+def test_tune_tree_for_a_draft_model_records_the_pick_for_that_pair(tmp_path, monkeypatch, capsys):
+    """tune-tree --draft-model times the chains of DRAFT_GRID, records the pick under $SELFSPEC_HOME
+    for this (target, draft) pair, and the draft-model drafter's "auto" settings then read it; another
+    draft keeps the defaults, and decoding stays exact."""
+    from test_bad_input import _tokenizer
+
+    from selfspec.cli import main
+    from selfspec.settings import DRAFTER_SETTINGS
+    from selfspec.training.tune import DRAFT_GRID, pick, tune_draft_model
+    from selfspec.tuned_pairs import pair_record_path, write_pair_record
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    torch.set_num_threads(1)
+    model = tiny_model("llama", seed=3)
+    draft = tiny_model("llama", seed=3)
+    with torch.no_grad():   # a draft close to the target: partial acceptance
+        g = torch.Generator().manual_seed(9)
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 97, (n,), generator=g) for n in (5, 7)]
+    best, cands = tune_draft_model(model, draft, prompts, max_new_tokens=6, repeats=1, progress=False)
+    assert best == pick(cands) and [(c.spec, c.threshold) for c in cands] == list(DRAFT_GRID)
+    assert all(c.tau >= 1.0 and c.speedup > 0 and 0 <= c.nodes_per_step <= c.size for c in cands)
+    with pytest.raises(ValueError, match="no prompts"):
+        tune_draft_model(model, draft, [], progress=False)
+
+    default = DRAFTER_SETTINGS["draft-model"]
+    sm = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
+    assert (sm.settings.tree, sm.settings.threshold) == (default.tree, default.threshold)   # not tuned yet
+    write_pair_record(model, draft, DecodeSettings(tree="chain-6", threshold=0.3), {"candidates": []})
+    sm = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
+    assert (sm.settings.tree, sm.settings.threshold) == ("chain-6", 0.3)
+    assert sm.drafter.threshold == 0.3 and sm.drafter.tree.size == 7
+    prompt = torch.randint(3, 97, (1, 6), generator=g)
+    assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
+    given = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny", tree="chain-2",
+                                 threshold=0)
+    assert (given.settings.tree, given.settings.threshold) == ("chain-2", 0.0)   # what the user gives wins
+    # The same draft converted to bfloat16 (as drafting does) is the same pair; another draft is not.
+    bf16 = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=copy.deepcopy(draft).bfloat16(),
+                                name="tiny")
+    assert bf16.settings.tree == "chain-6"
+    other = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=tiny_model("llama", seed=5),
+                                 name="tiny")
+    assert other.settings.tree == default.tree
+    # A torn record is refused in one line.
+    pair_record_path(model, draft).write_text('{"decode": ')
+    with pytest.raises(ValueError, match="not a tune-tree record"):
+        SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
+
+    # The command: times, prints every candidate, records; --recorded chooses again without timing.
+    for name, m in (("target", model), ("draft", draft)):
+        m.save_pretrained(tmp_path / name)
+        _tokenizer().save_pretrained(tmp_path / name)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w3 w4 w5"}\n{"prompt": "w6 w7 w8 w9"}\n')
+    argv = ["tune-tree", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"),
+            "--prompts", str(tmp_path / "p.jsonl"), "--prompts-n", "2", "--max-new-tokens", "4", "--repeats", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("verified/step") == len(DRAFT_GRID) and "recorded in" in out
+    record = json.loads(next((tmp_path / "home" / "tuned" / "draft-model").glob("*.json")).read_text())
+    assert len(record["candidates"]) == len(DRAFT_GRID) and record["decode"]["tree"].startswith("chain-")
+    assert main(argv[:5] + ["--recorded", "--tolerance", "0"]) == 0
+    fastest = max(record["candidates"], key=lambda c: c["speedup"])
+    assert f"is now {fastest['spec']}, threshold=auto {fastest['threshold']}" in capsys.readouterr().out

@@ -13,6 +13,11 @@ winner goes into the ``decode`` section of the heads' ``config.json`` (``tree`` 
 ``gate`` / ``lookup``, which the "auto" settings use), and every timed candidate into
 ``tune-tree.json`` beside it (what ``--recorded`` re-picks from).
 
+A separate draft model (``--draft-model``, no heads): time chain lengths, each also cut by the
+draft's own confidence (``DRAFT_GRID``), on ``--prompts``; the winner is recorded for that pair of
+models under $SELFSPEC_HOME (``selfspec.tuned_pairs``), where the draft-model drafter's "auto"
+settings read it.
+
 Timing prompts are the training run's own eval split (same data directory, seed and fraction as
 recorded in the heads), so nothing is tuned on the evaluation prompts; or, with ``--prompts FILE``, a
 seeded sample of a prompt file the heads never saw, so that a head trained mostly on one kind of
@@ -35,7 +40,8 @@ from tqdm.auto import tqdm
 
 from ..backbone import Backbone, config_fingerprint
 from ..decode import decode
-from ..drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
+from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
+from ..drafters.base import draft_dtype
 from ..drafters.eagle import parse_dynamic_tree
 from ..heads import Heads, load_heads, read_heads_config, write_heads_config
 from ..bench.harness import load_prompts as load_bench_prompts
@@ -44,6 +50,7 @@ from ..loading import check_model_name, load_model
 from ..projection import few_row_linears
 from ..sampling import SamplingParams
 from ..settings import DecodeSettings
+from ..tuned_pairs import read_pair_record, write_pair_record
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, in_unit_interval
 from .data import read_meta
@@ -70,6 +77,10 @@ EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-
               ("dynamic-4-2-4", 0.2, 8), ("dynamic-5-2-4", 0.3, 8), ("dynamic-5-3-6", 0.25, 8), ("dynamic-6-2-6", 0.4, 8),
               ("dynamic-6-3-8", 0.3, 0))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
+# A separate draft model: (chain, threshold). Each drafted token costs a draft forward as well as a
+# verified row, so long chains pay only cut where the draft's own path probability falls.
+DRAFT_GRID = (("chain-2", 0.0), ("chain-3", 0.0), ("chain-4", 0.0), ("chain-6", 0.0),
+              ("chain-4", 0.3), ("chain-6", 0.3), ("chain-6", 0.5), ("chain-8", 0.5))
 
 
 @dataclass
@@ -139,15 +150,46 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int,
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
+def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], linears, *, max_new_tokens: int,
+                  repeats: int, progress: bool) -> tuple[list[list[tuple]], list[list[float]]]:
+    """Greedy-decode every prompt with every drafter (index 0: the plain reference), interleaved.
+
+    For each prompt all drafters run back to back, in an order rotated from prompt to prompt, so
+    machine drift hits them alike. Returns (runs, ratios): ``runs[i]`` the ``_run`` tuples of drafter
+    i, ``ratios[i]`` its tokens/s over plain decoding's on the same prompt in the same round.
+    """
+    run = lambda d, prompt, n: _run(bb, d, prompt, n, linears)  # noqa: E731
+    for d in drafters:  # warm-up, and the LM-head projection times its layouts for each tree size here
+        run(d, prompts[0], 4)
+    runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
+    ratios: list[list[float]] = [[] for _ in drafters]
+    bar = tqdm(total=repeats * len(prompts) * len(drafters), desc="tune-tree", disable=not progress)
+    turn = 0
+    for _ in range(repeats):
+        for prompt in prompts:
+            order = list(range(len(drafters)))
+            order = order[turn % len(order):] + order[: turn % len(order)]
+            turn += 1
+            here = {}
+            for i in order:
+                here[i] = run(drafters[i], prompt, max_new_tokens)
+                runs[i].append(here[i])
+                bar.update(1)
+            plain = here[0][0] / here[0][1]
+            for i, r in here.items():
+                ratios[i].append(r[0] / r[1] / plain)
+    bar.close()
+    return runs, ratios
+
+
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
               repeats: int = 2, progress: bool = True, prune: bool = True, tolerance: float = 0.05,
               prompts: list[torch.Tensor] | None = None) -> tuple[Candidate, list[Candidate], list | None]:
     """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
 
-    Timing follows the bench's protocol at a finer grain: for each prompt, plain decoding and every
-    candidate run back to back in an order rotated from prompt to prompt, so machine drift hits
-    them alike. A candidate's ``speedup`` is the median over (prompt, round) of its tokens/s over
-    plain decoding's on the same prompt in the same round; ``pick`` chooses among them.
+    Timing follows the bench's protocol at a finer grain (``time_drafters``). A candidate's
+    ``speedup`` is the median over (prompt, round) of its tokens/s over plain decoding's on the
+    same prompt in the same round; ``pick`` chooses among them.
 
     Timed on ``prompts`` (token ids) when given, else on the prompts of the first ``n_prompts`` of
     ``seqs`` (held-out sequences; Medusa also reads its rank accuracy from them).
@@ -175,42 +217,47 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
         make = lambda spec, t, g, k: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
                                                       threshold=t)
     drafters = [NoDrafter(bb.device)] + [make(*cand) for cand in grid]   # index 0: the plain reference
-    linears = few_row_linears(model)
-    run = lambda d, prompt, n: _run(bb, d, prompt, n, linears)  # noqa: E731
-    for d in drafters:  # warm-up, and the LM-head projection times its layouts for each tree size here
-        run(d, prompts[0], 4)
-    runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
-    ratios: list[list[float]] = [[] for _ in drafters]
-    bar = tqdm(total=repeats * len(prompts) * len(drafters), desc="tune-tree", disable=not progress)
-    turn = 0
-    for _ in range(repeats):
-        for prompt in prompts:
-            order = list(range(len(drafters)))
-            order = order[turn % len(order):] + order[: turn % len(order)]  # rotate: drift hits all alike
-            turn += 1
-            here = {}
-            for i in order:
-                here[i] = run(drafters[i], prompt, max_new_tokens)
-                runs[i].append(here[i])
-                bar.update(1)
-            plain = here[0][0] / here[0][1]
-            for i, r in here.items():
-                ratios[i].append(r[0] / r[1] / plain)
-    bar.close()
-
-    def total(i: int, k: int) -> float:
-        return sum(r[k] for r in runs[i])
+    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model), max_new_tokens=max_new_tokens,
+                                 repeats=repeats, progress=progress)
 
     def size(spec) -> int:
         if heads.config.kind == "eagle":
             return parse_dynamic_tree(spec)["nodes"]
         return build_tree(parse_tree(spec, default=())).size - 1
 
-    cands = [Candidate(spec=spec, size=size(spec), threshold=t, gate=g, lookup=k,
-                       tokens_per_s=total(i, 0) / total(i, 1), tau=total(i, 3) / max(total(i, 2), 1),
-                       nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]))
-             for i, (spec, t, g, k) in enumerate(grid, start=1)]
+    cands = _candidates(grid, runs, ratios, size)
     return pick(cands, tolerance=tolerance), cands, acc
+
+
+def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_tokens: int = 64, repeats: int = 2,
+                     progress: bool = True, prune: bool = True,
+                     tolerance: float = 0.05) -> tuple[Candidate, list[Candidate]]:
+    """Time the draft model's chains (``DRAFT_GRID``) against plain decoding as ``tune_tree`` times
+    trees; return (best, all). ``draft`` should already be in its drafting dtype (``draft_dtype``),
+    else every candidate's drafter converts a copy of its own."""
+    if not prompts:
+        raise ValueError("no prompts to time on")
+    bb = Backbone(model)
+    grid = [(spec, t, 0.0, 0) for spec, t in DRAFT_GRID if prune or t == 0]
+    drafters = [NoDrafter(bb.device)] + [
+        DraftModelDrafter(draft, build_tree(parse_tree(spec, default=()), str(bb.device)), vocab_size=bb.vocab_size,
+                          threshold=t) for spec, t, _, _ in grid]
+    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, draft), max_new_tokens=max_new_tokens,
+                                 repeats=repeats, progress=progress)
+    cands = _candidates(grid, runs, ratios, lambda spec: build_tree(parse_tree(spec, default=())).size - 1)
+    return pick(cands, tolerance=tolerance), cands
+
+
+def _candidates(grid: list[tuple], runs: list[list[tuple]], ratios: list[list[float]], size) -> list[Candidate]:
+    """One ``Candidate`` per grid row (tree, threshold, gate, lookup) from ``time_drafters``' results
+    (whose index 0 is plain decoding)."""
+    def total(i: int, k: int) -> float:
+        return sum(r[k] for r in runs[i])
+
+    return [Candidate(spec=spec, size=size(spec), threshold=t, gate=g, lookup=k,
+                      tokens_per_s=total(i, 0) / total(i, 1), tau=total(i, 3) / max(total(i, 2), 1),
+                      nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]))
+            for i, (spec, t, g, k) in enumerate(grid, start=1)]
 
 
 def pick(cands: list[Candidate], *, tolerance: float = 0.05) -> Candidate:
@@ -227,7 +274,10 @@ def pick(cands: list[Candidate], *, tolerance: float = 0.05) -> Candidate:
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--heads", required=True, help="heads directory to tune (rewritten in place)")
+    p.add_argument("--heads", default=None, help="heads directory to tune (rewritten in place)")
+    p.add_argument("--draft-model", default=None,
+                   help="instead of heads: a separate draft model (alias, directory, .gguf or hub id) to tune chains for, "
+                        "on --prompts; the pick is recorded for this pair of models under $SELFSPEC_HOME/tuned")
     p.add_argument("--data", default=None,
                    help="the data directory (or comma-separated directories) the heads were trained on: its held-out "
                         "split gives the timing prompts (and Medusa's rank accuracy); needed unless --prompts is given "
@@ -253,7 +303,19 @@ def check_tune_args(args) -> None:
     in_unit_interval(args.tolerance, "tolerance", open_high=True)
     for name in ("prompts_n", "max_new_tokens", "repeats", "threads"):
         at_least(getattr(args, name), 1, name)
+    if (args.heads is None) == (args.draft_model is None):
+        raise ValueError("pass --heads DIR (trained heads) or --draft-model NAME (a separate draft model), one of them")
+    if args.draft_model is not None:
+        if args.data is not None:
+            raise ValueError("--data applies to heads: a draft model is timed on --prompts FILE")
+        if args.prompts is None and not args.recorded:
+            raise ValueError("--draft-model is timed on prompts it will serve: pass --prompts FILE")
+        check_model_name(args.model)
+        check_model_name(args.draft_model)
     if args.recorded:
+        return
+    if args.draft_model is not None:
+        load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)
         return
     check_model_name(args.model)
     kind = read_heads_config(args.heads).kind
@@ -269,11 +331,13 @@ def check_tune_args(args) -> None:
 
 def run_tune(args) -> int:
     check_tune_args(args)
-    if args.recorded:
+    if args.recorded and args.draft_model is None:
         return _repick(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else None)
+    if args.draft_model is not None:
+        return _run_tune_pair(args, loaded)
     p = loaded.model.get_output_embeddings().weight
     kind = read_heads_config(args.heads).kind
     heads = load_heads(args.heads, expect_kind=kind, fingerprint=config_fingerprint(loaded.model.config),
@@ -287,9 +351,7 @@ def run_tune(args) -> int:
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
                                  tolerance=args.tolerance, prompts=prompts)
-    for c in cands:
-        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  lookup {c.lookup}  {c.nodes_per_step:5.2f} verified/step  "
-              f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
+    _print_candidates(cands)
     timed_on = {"prompts": Path(args.prompts).name, "n_prompts": len(prompts), "seed": args.seed} if prompts else \
         {"held_out_prompts": min(args.prompts_n, len(seqs))}
     search = {**timed_on, "max_new_tokens": args.max_new_tokens,
@@ -297,6 +359,42 @@ def run_tune(args) -> int:
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
     return _record(args.heads, heads.config, best, {**search, "tolerance": args.tolerance})
+
+
+def _print_candidates(cands: list[Candidate]) -> None:
+    for c in cands:
+        print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  lookup {c.lookup}  {c.nodes_per_step:5.2f} verified/step  "
+              f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
+
+
+def _run_tune_pair(args, loaded) -> int:
+    """--draft-model: time the pair's chains (or, with --recorded, choose again from the recorded
+    timings) and record the pick for this pair."""
+    draft = load_model(args.draft_model, device=loaded.model.device).model
+    w = draft.get_output_embeddings().weight
+    draft.to(draft_dtype(w.device, w.dtype))   # converted once here, as from_pretrained does
+    if args.recorded:
+        search = read_pair_record(loaded.model, draft)
+        if search is None or not search.get("candidates"):
+            raise ValueError(f"{args.model} with draft {args.draft_model} records no tune-tree timings: run "
+                             "`selfspec tune-tree --draft-model` without --recorded first")
+        cands = _from_records(search["candidates"])
+    else:
+        chat = bool(getattr(loaded.tokenizer, "chat_template", None))
+        prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
+                   for pr in load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)]
+        _, cands = tune_draft_model(loaded.model, draft, prompts, max_new_tokens=args.max_new_tokens,
+                                    repeats=args.repeats, prune=not args.no_prune, tolerance=args.tolerance)
+        _print_candidates(cands)
+        search = {"target": args.model, "draft": args.draft_model, "prompts": Path(args.prompts).name,
+                  "n_prompts": len(prompts), "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                  "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands]}
+    best = pick(cands, tolerance=args.tolerance)
+    decode = DecodeSettings(tree=best.spec, threshold=best.threshold)
+    path = write_pair_record(loaded.model, draft, decode, {**search, "tolerance": args.tolerance})
+    print(f"tree=auto for {args.model} drafted by {args.draft_model} is now {best.spec}, threshold=auto "
+          f"{best.threshold} (recorded in {path})")
+    return 0
 
 
 SEARCH_FILE = "tune-tree.json"
@@ -341,8 +439,13 @@ def _repick(args) -> int:
     search = recorded_search(args.heads)
     if not search or not search.get("candidates"):
         raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
-    fields = set(Candidate.__dataclass_fields__)
-    cands = [Candidate(**{**{k: v for k, v in c.items() if k in fields},
-                          "spec": c["spec"] if isinstance(c["spec"], str) else tuple(tuple(p) for p in c["spec"])})
-             for c in search["candidates"]]
+    cands = _from_records(search["candidates"])
     return _record(args.heads, heads, pick(cands, tolerance=args.tolerance), {**search, "tolerance": args.tolerance})
+
+
+def _from_records(rows: list[dict]) -> list[Candidate]:
+    """Candidates back from a tune-tree record (a tree given as paths becomes a tuple again)."""
+    fields = set(Candidate.__dataclass_fields__)
+    return [Candidate(**{**{k: v for k, v in c.items() if k in fields},
+                         "spec": c["spec"] if isinstance(c["spec"], str) else tuple(tuple(p) for p in c["spec"])})
+            for c in rows]
