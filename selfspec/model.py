@@ -31,8 +31,8 @@ from .projection import few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
 from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
-from .settings import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS, check_settings,
-                       default_exit_layer, resolve_settings)
+from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
+                       check_settings, default_exit_layer, resolve_settings)
 from .tree import build_tree, parse_tree
 from .tuned_pairs import pair_decode
 
@@ -142,7 +142,7 @@ class SelfSpeculativeModel:
         self.last_stats: DecodeStats | None = None
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
-        if drafter_name == "draft-model" and draft_model is not None:
+        if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
             decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
         st = resolve_settings(drafter_name, decode, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         self.settings = st   # what this drafter runs with (DrafterSettings; None where it takes no such setting)

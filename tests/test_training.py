@@ -755,6 +755,10 @@ def test_tune_tree_for_a_draft_model_records_the_pick_for_that_pair(tmp_path, mo
     pair_record_path(model, draft).write_text('{"decode": ')
     with pytest.raises(ValueError, match="not a tune-tree record"):
         SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
+    # ... but settings given in full never read it, so a torn record cannot block them.
+    given = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny",
+                                 tree="chain-3", threshold=0.5)
+    assert (given.settings.tree, given.settings.threshold) == ("chain-3", 0.5)
 
     # The command: times, prints every candidate, records; --recorded chooses again without timing.
     for name, m in (("target", model), ("draft", draft)):
