@@ -3,9 +3,9 @@
     python scripts/forward_cost.py [--model smollm2-135m] [--threads 2] [--context 256] [--ks 1,2,3,4,5,8,16]
 
 Times (median of warm repeats, interleaved) a cached forward of k new tokens after a
-``--context``-token prefix: transformers' own forward (its LM head is ``F.linear``) and the same
-layers with selfspec's LM-head projection (selfspec/projection.py, the layout timed fastest for k
-rows), and the LM head alone both ways, each relative to transformers' k = 1. On CPUs whose BLAS
+``--context``-token prefix: transformers' own forward (``F.linear`` throughout) and the same
+layers as selfspec decodes them (selfspec/projection.py: the LM head and the layers' few-row
+products in the layout timed fastest for k rows), and the LM head alone both ways, each relative to transformers' k = 1. On CPUs whose BLAS
 runs a 2- or 3-row matrix product no faster per row than a matrix-vector product, k = 2..3 can
 cost more than k = 4..8; `selfspec tune-tree` measures speed end to end for this reason.
 """
@@ -32,9 +32,11 @@ def main() -> None:
     from selfspec import cache as kv
     from selfspec.backbone import Backbone
     from selfspec.loading import load_model
+    from selfspec.projection import few_row_linears
 
     model = load_model(a.model).model
     bb = Backbone(model)
+    linears = few_row_linears(model)
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(100, 10_000, (1, a.context), generator=g)
     rows = []
@@ -44,19 +46,21 @@ def main() -> None:
         for k in (int(x) for x in a.ks.split(",")):
             x = torch.randint(100, 10_000, (1, k), generator=g)
             h = torch.randn(1, k, model.config.hidden_size, generator=g)
-            bb.logits(h)  # the projection times its layouts for k rows once, here
+            bb.logits(h)  # the projections time their layouts for k rows once, here
+            with linears:
+                model.model(x, past_key_values=cache, use_cache=True)
+            kv.truncate(cache, a.context)
             t = {"hf": [], "ours": [], "linear": [], "head": []}
             for _ in range(a.repeats):
                 for name, fn in (("hf", lambda: model(x, past_key_values=cache, use_cache=True)),
-                                 ("ours", lambda: bb.logits(model.model(x, past_key_values=cache,
-                                                                        use_cache=True).last_hidden_state)),
+                                 ("ours", lambda: _ours(bb, linears, model, x, cache)),
                                  ("linear", lambda: F.linear(h, bb.lm_head.weight)),
                                  ("head", lambda: bb.logits(h))):
                     t0 = time.perf_counter()
                     fn()
                     t[name].append(time.perf_counter() - t0)
                     kv.truncate(cache, a.context)
-            rows.append((k, {n: statistics.median(v[3:]) * 1e3 for n, v in t.items()}, bb.head.choice.get(k, "linear")))
+            rows.append((k, {n: statistics.median(v[3:]) * 1e3 for n, v in t.items()}, bb.head.choices().get(k, "linear")))
     base = rows[0][1]["hf"]
     print(f"{a.model}, {a.threads} threads, {a.context}-token context, torch {torch.__version__}")
     print("| k | transformers forward ms | x k=1 | selfspec forward ms | x k=1 | LM head F.linear ms "
@@ -64,6 +68,11 @@ def main() -> None:
     for k, m, layout in rows:
         print(f"| {k} | {m['hf']:.1f} | {m['hf'] / base:.2f} | {m['ours']:.1f} | {m['ours'] / base:.2f} "
               f"| {m['linear']:.1f} | {m['head']:.1f} ({layout}) |")
+
+
+def _ours(bb, linears, model, x, cache):
+    with linears:
+        return bb.logits(model.model(x, past_key_values=cache, use_cache=True).last_hidden_state)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from .drafters.eagle import parse_dynamic_tree
 from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
-from .projection import few_row_linears
+from .projection import FewRowLinears, few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
 from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
@@ -126,6 +126,16 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
                  draft_vocab=None if draft_vocab is None else draft_vocab.to(p.device))
 
 
+def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1) -> None:
+    """Time every layout that ``drafter``'s decoding of ``batch`` rows under ``linears`` can meet: the
+    LM head's up to every row's tree, the drafter's own projection, the rerouted layers' products."""
+    for proj in (backbone.head, getattr(drafter, "project", None)):
+        if proj is not None:
+            proj.tune(batch * drafter.max_nodes)
+    if isinstance(linears, FewRowLinears):
+        linears.tune()
+
+
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
@@ -167,10 +177,10 @@ class SelfSpeculativeModel:
         else:
             self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
                                              vocab_size=self.backbone.vocab_size, threshold=st.threshold)
-        # Few-row products of a big model's layers in their fastest layout on CPU (projection.py); compiled
-        # steps are left to torch.compile.
+        # Few-row products of the target's (and the drafter's) layers in their fastest layout on CPU
+        # (projection.py); compiled steps are left to torch.compile.
         self.linears = nullcontext() if self.step is not None else \
-            few_row_linears(model, getattr(self.drafter, "model", None))
+            few_row_linears(model, getattr(self.drafter, "model", None), getattr(heads, "module", None))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -326,6 +336,11 @@ class SelfSpeculativeModel:
         tail = torch.tensor([x + [pad] * (width - len(x)) for x in new], device=dev, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids.to(dev), tail], dim=1)
         return GenerateOutput(sequences=sequences, stats=stats) if return_dict_in_generate else sequences
+
+    def tune_layouts(self, batch: int = 1) -> None:
+        """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),
+        so that no later call pays for it; decoding otherwise times each on first use, once per process."""
+        tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
 
     def __repr__(self) -> str:
         return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r})"

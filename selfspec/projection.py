@@ -1,43 +1,60 @@
-"""Row projections ``x @ W.T`` (the LM head and its draft-vocabulary slices) in the fastest layout.
+"""Row projections ``x @ W.T`` in the fastest layout: the LM head, and every few-row product of a layer.
 
 On CPU, BLAS handles a product with a few rows and a wide weight badly. On the 2-core dev box
-the 49,152 x 576 LM head takes 10 ms for one row (GEMV), 23 ms for two and 33 ms for three
+the 49,152 x 576 LM head takes 10 ms for one row (GEMV), 23 ms for two and 17 ms for four
 (GEMM), while the same product taken weight-major, ``(W @ x.T).T``, takes ~5 ms for two to
-five rows, and one row padded to two takes ~7 ms. A verification pass projects every tree node,
-a plain step one row, so this is 5-25% of a decode step. Which layout wins depends on the
-BLAS, the CPU, the thread count and the row count, so a ``Projection`` times the layouts once
-per row count, on first use, and keeps the fastest (``timings`` shows what it measured).
+four rows, and one row padded to two takes ~5 ms. The decoder layers' own products suffer the
+same: a 1,536 x 576 MLP weight of the demo model takes 330 us for one row and 410 us for four
+through ``F.linear``, 140 us and 200 us in its fastest layout; the 1.5B Qwen target's layers
+take 352 ms for one row and 714 ms for two, 252 ms and 310 ms. A decode step is a few rows
+(one per sequence, or a tree's nodes), so this decides much of what a step costs.
 
-The layouts sum in different orders, so logits agree to float rounding, not bit for bit: the
+Which layout wins depends on the BLAS, the CPU, the thread count and the row count, so it is
+timed: once per (weight shape, dtype, threads, row count) in the process (``TABLE``), on first
+use, and shared by every projection of that shape. Rows above ``MAX_TUNED_ROWS`` share a timing
+per ``ROW_BUCKETS`` step; above the last bucket a product is a proper GEMM and runs as
+``F.linear``. The timing runs each layout over the model's own weights of that shape, up to
+``TIMING_BYTES`` of them, as a forward streams them: a weight timed again and again sits in
+the cache and favours a different layout than the forward meets.
+
+``Projection`` is the LM head's (and the draft-vocabulary slices'). ``FewRowLinears`` does the
+same for the decoder layers while selfspec decodes: a forward pre-hook on each ``nn.Linear``
+(torch's public module hooks; the model's code is untouched) computes the product in the timed
+layout and hands the module a zero-row input, and a forward hook returns the product as the
+module's output. The hooks exist only inside ``with``; calls with gradients on or with more
+than ``MAX_TUNED_ROWS`` rows run as they would without them.
+
+The layouts sum in different orders, so values agree to float rounding, not bit for bit: the
 same class of difference as any batched forward, and greedy exactness is measured against
-transformers like everything else. On CUDA (or for small weights) it is always ``F.linear``.
-
-The decoder layers' own products suffer the same on a big model: on the 2-core dev box the 1.5B
-Qwen target's layers take 352 ms for one row and 714 ms for two through ``F.linear``, but 252 ms
-and 310 ms with each big weight's product in its fastest layout. A verification pass is a few
-rows, so this decides whether speculation pays there at all. ``FewRowLinears`` is a
-``TorchFunctionMode`` (torch's public hook on its own functions; the model's code is untouched)
-that, while decoding, sends ``F.linear`` calls of at most ``MAX_TUNED_ROWS`` rows on a CPU weight
-of at least ``MIN_TUNED_ELEMENTS`` through a ``Projection`` per weight shape. Every other call,
-and every model whose layers are all small (the 135M demo model's), runs as it would without it.
+transformers like everything else. On CUDA it is always ``F.linear``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
-# Weights smaller than this (elements) are cheap in any layout: not worth timing.
-MIN_TUNED_ELEMENTS = 1 << 22
-# More rows than this (a prefill, a big tree) are a proper matrix product, which BLAS handles well.
+# Layers whose weights are smaller than this (elements) are left to F.linear: the hooks would cost
+# more than the layout saves. Every weight of the 135M demo model's layers is above it.
+MIN_TUNED_ELEMENTS = 1 << 16
+# A decoder layer's products are rerouted up to this many rows; more (a prefill, a big tree or
+# batch) is a proper matrix product, which BLAS handles well.
 MAX_TUNED_ROWS = 16
+# The LM head beyond MAX_TUNED_ROWS rows: one timing per bucket (rows up to the bucket); above the
+# last bucket F.linear.
+ROW_BUCKETS = (24, 32, 48, 64, 96, 128, 192, 256)
 TIMING_REPEATS = 3
+TIMING_BYTES = 64 << 20   # weights a timing streams through: more than a CPU's last-level cache
+
+Key = tuple   # (weight shape, dtype, threads, row bucket)
+TABLE: dict[Key, dict[str, float]] = {}    # the process's timings: key -> {layout: best seconds}
+CHOICE: dict[Key, str] = {}                # key -> the layout timed fastest
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,83 +88,153 @@ LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def candidate_layouts(rows: int) -> list[str]:
-    """The layouts worth timing for this many rows (padding one row, pairing three or more)."""
-    return [n for n in LAYOUTS if (n != "weight-major-pad2" or rows == 1) and (n != "weight-major-pairs" or rows >= 3)]
+    """The layouts worth timing for this many rows (padding one row, pairing three to eight)."""
+    return [n for n in LAYOUTS if (n != "weight-major-pad2" or rows == 1) and (n != "weight-major-pairs" or 3 <= rows <= 8)]
+
+
+def row_bucket(rows: int) -> int | None:
+    """The row count a timing stands for: itself up to MAX_TUNED_ROWS, then the next ROW_BUCKETS
+    entry; None beyond the last (F.linear)."""
+    if rows <= MAX_TUNED_ROWS:
+        return rows
+    return next((b for b in ROW_BUCKETS if b >= rows), None)
+
+
+def tuning_rows(max_rows: int) -> list[int]:
+    """The row counts standing for every count up to ``max_rows``: 1..MAX_TUNED_ROWS, then buckets."""
+    top = row_bucket(max_rows) or ROW_BUCKETS[-1]
+    return list(range(1, min(max_rows, MAX_TUNED_ROWS) + 1)) + [b for b in ROW_BUCKETS if b <= top]
+
+
+def layout_for(weights: Sequence[torch.Tensor], x: torch.Tensor) -> str:
+    """The layout for ``x (rows, H) @ w.T`` on weights of this shape: timed on first use (over
+    ``weights``, each as a forward would meet it), then read from the process's table."""
+    w = weights[0]
+    bucket = row_bucket(x.shape[0])
+    if bucket is None or w.device.type != "cpu":
+        return "linear"
+    key = (tuple(w.shape), w.dtype, torch.get_num_threads(), bucket)
+    name = CHOICE.get(key)
+    return name if name is not None else tune_layout(key, weights, x)
+
+
+def tune_layout(key: Key, weights: Sequence[torch.Tensor], x: torch.Tensor) -> str:
+    """Time every candidate layout for ``x`` over ``weights`` (at most TIMING_BYTES of them, at least
+    one), interleaved so machine drift hits all alike; record and return the fastest."""
+    per = weights[0].numel() * weights[0].element_size()
+    ws = list(weights[: max(1, TIMING_BYTES // max(per, 1))])
+    names = candidate_layouts(x.shape[0])
+    for name in names:
+        LAYOUTS[name](x, ws[0])                     # warm-up (allocations, BLAS packing)
+    best = {name: float("inf") for name in names}
+    for _ in range(TIMING_REPEATS):
+        for name in names:
+            t0 = time.perf_counter()
+            for w in ws:
+                LAYOUTS[name](x, w)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    TABLE[key] = best
+    CHOICE[key] = min(best, key=best.get)
+    return CHOICE[key]
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+            timed_on: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """``x (..., H) @ weight.T + bias`` in the layout timed for its row count (``layout_for``, over
+    ``timed_on``: the weights of this shape a forward streams; default the weight alone)."""
+    rows = x[..., 0].numel()
+    if rows == 0:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = LAYOUTS[layout_for(timed_on or (weight,), flat)](flat, weight).reshape(*x.shape[:-1], -1)
+    return out if bias is None else out + bias
 
 
 class Projection:
     """``x (..., H) -> x @ weight.T (..., V)`` with the layout measured fastest for x's row count."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, autotune: bool = True,
-                 min_elements: int | None = None):
+                 min_elements: int = 1 << 22):
         self.weight = weight                            # (V, H)
         self.bias = bias                                # (V,) or None
-        self.autotune = autotune and weight.numel() >= (MIN_TUNED_ELEMENTS if min_elements is None else min_elements)
-        self.choice: dict[int, str] = {}               # rows -> layout name
-        self.timings: dict[int, dict[str, float]] = {}  # rows -> {layout: best seconds}
+        self.autotune = autotune and weight.numel() >= min_elements
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply(x, self.weight, self.bias)
+        if not self.autotune or self.weight.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias)
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a weight of this one's shape (``FewRowLinears`` shares the timings)."""
-        lead, rows = x.shape[:-1], x[..., 0].numel()
-        if not self.autotune or rows == 0 or weight.device.type != "cpu":
-            return F.linear(x, weight, bias)
-        flat = x.reshape(rows, x.shape[-1])
-        name = self.choice.get(rows) or self._tune(flat)
-        out = LAYOUTS[name](flat, weight).reshape(*lead, -1)
-        return out if bias is None else out + bias
+    def tune(self, max_rows: int) -> None:
+        """Time now every row bucket up to ``max_rows`` (decoding would time each on first use)."""
+        if self.autotune and self.weight.device.type == "cpu":
+            for rows in tuning_rows(max_rows):
+                self(self.weight.new_zeros(rows, self.weight.shape[1]).normal_())
 
-    def _tune(self, flat: torch.Tensor) -> str:
-        rows = flat.shape[0]
-        names = candidate_layouts(rows)
-        for name in names:
-            LAYOUTS[name](flat, self.weight)            # warm-up (allocations, BLAS packing)
-        best = {name: float("inf") for name in names}
-        for _ in range(TIMING_REPEATS):                 # interleaved, so machine drift hits all alike
-            for name in names:
-                t0 = time.perf_counter()
-                LAYOUTS[name](flat, self.weight)
-                best[name] = min(best[name], time.perf_counter() - t0)
-        self.timings[rows] = best
-        self.choice[rows] = min(best, key=best.get)
-        return self.choice[rows]
+    def choices(self) -> dict[int, str]:
+        """Row bucket -> the layout this weight's shape runs in (what has been timed so far)."""
+        w = self.weight
+        return {k[3]: v for k, v in CHOICE.items() if k[:3] == (tuple(w.shape), w.dtype, torch.get_num_threads())}
 
 
-class FewRowLinears(TorchFunctionMode):
-    """While active, ``F.linear`` with at most ``max_rows`` rows on a big CPU weight runs in the layout
-    measured fastest for that weight shape and row count (timed once per process and thread count).
-    Values agree with ``F.linear`` to float rounding, as a batched forward's do."""
+class FewRowLinears:
+    """While active (``with``), each CPU ``nn.Linear`` of ``models`` with at least ``min_elements``
+    weights (LM heads aside: they are ``Projection``s already) computes products of at most
+    ``max_rows`` rows without gradients in the layout timed fastest for its shape and row count,
+    timed over the models' weights of that shape. Values agree with ``F.linear`` to float rounding,
+    as a batched forward's do."""
 
-    def __init__(self, *, min_elements: int = MIN_TUNED_ELEMENTS, max_rows: int = MAX_TUNED_ROWS):
-        super().__init__()
-        self.min_elements, self.max_rows = min_elements, max_rows
-        self.by_shape: dict[tuple, Projection] = {}
+    def __init__(self, *models: nn.Module | None, min_elements: int = MIN_TUNED_ELEMENTS, max_rows: int = MAX_TUNED_ROWS):
+        self.max_rows = max_rows
+        self.modules = [m for model in models if model is not None for m in routable(model, min_elements)]
+        self.weights: dict[tuple, list[torch.Tensor]] = {}    # (shape, dtype) -> every routed weight of it
+        for m in self.modules:
+            self.weights.setdefault((tuple(m.weight.shape), m.weight.dtype), []).append(m.weight)
+        self.rerouted = 0                                       # products computed here (for tests and reports)
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles: list = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and not torch.is_grad_enabled():
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if w.device.type == "cpu" and w.numel() >= self.min_elements and 0 < x[..., 0].numel() <= self.max_rows:
-                key = (tuple(w.shape), w.dtype, torch.get_num_threads())
-                proj = self.by_shape.get(key)
-                if proj is None:
-                    proj = self.by_shape[key] = Projection(w, min_elements=self.min_elements)
-                return proj.apply(x, w, bias)
-        return func(*args, **kwargs)
+    def tune(self) -> None:
+        """Time now every row count it reroutes, for every weight shape (decoding would time each on first use)."""
+        for group in self.weights.values():
+            for rows in range(1, self.max_rows + 1):
+                project(group[0].new_zeros(rows, group[0].shape[1]).normal_(), group[0], timed_on=group)
+
+    def _before(self, module: nn.Linear, args):
+        x = args[0]
+        rows = x[..., 0].numel()
+        if rows == 0 or rows > self.max_rows or torch.is_grad_enabled() or x.dim() < 2:
+            return None
+        w = module.weight
+        self._out[id(module)] = project(x, w, module.bias, timed_on=self.weights[(tuple(w.shape), w.dtype)])
+        self.rerouted += 1
+        return (x.narrow(-2, 0, 0),) + tuple(args[1:])      # the module's own product: zero rows
+
+    def _after(self, module: nn.Linear, args, output):
+        return self._out.pop(id(module), None)               # None: the module's own output stands
+
+    def __enter__(self) -> "FewRowLinears":
+        if not self._handles:
+            for m in self.modules:
+                self._handles += [m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._out = [], {}
+
+
+def routable(model: nn.Module, min_elements: int = MIN_TUNED_ELEMENTS) -> list[nn.Linear]:
+    """The CPU ``nn.Linear`` modules of ``model`` that ``FewRowLinears`` reroutes (not its LM head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head
+            and m.weight.device.type == "cpu" and m.weight.numel() >= min_elements]
 
 
 def few_row_linears(*models: nn.Module | None, min_elements: int = MIN_TUNED_ELEMENTS):
-    """A ``FewRowLinears`` for decoding with these models when one has a CPU ``nn.Linear`` of at least
-    ``min_elements`` weights, else a no-op context (a small model would pay the hook's per-call cost
-    for nothing)."""
-    for model in (m for m in models if m is not None):
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        for m in model.modules():   # the LM head is a Projection of its own already
-            if isinstance(m, nn.Linear) and m is not head and m.weight.device.type == "cpu" \
-                    and m.weight.numel() >= min_elements:
-                return FewRowLinears(min_elements=min_elements)
+    """A ``FewRowLinears`` for decoding with these models when one has a layer it reroutes, else a
+    no-op context."""
+    if any(routable(m, min_elements) for m in models if m is not None):
+        return FewRowLinears(*models, min_elements=min_elements)
     return nullcontext()

@@ -282,18 +282,27 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, thresh
 
 
 @pytest.mark.parametrize("layout", ["linear", "weight-major", "weight-major-pairs"])
-def test_every_lm_head_layout_keeps_the_drafters_exact(monkeypatch, layout):
-    """The LM-head projection picks a layout by timing; force each one (one row: padded) on a tiny model."""
+def test_every_product_layout_keeps_the_drafters_exact(monkeypatch, layout):
+    """The LM head, the drafters' projections and the layers' few-row products pick a layout by timing
+    (projection.py); force each one (one row: padded) on a tiny model, every layer rerouted."""
     from selfspec import projection
+    from selfspec.projection import FewRowLinears
 
-    def pick(self, flat):
-        self.choice[flat.shape[0]] = "weight-major-pad2" if layout != "linear" and flat.shape[0] == 1 else layout
-        return self.choice[flat.shape[0]]
+    forced = []
 
-    monkeypatch.setattr(projection, "MIN_TUNED_ELEMENTS", 0)
-    monkeypatch.setattr(projection.Projection, "_tune", pick)
+    def pick(key, weights, flat):
+        rows = flat.shape[0]
+        name = "weight-major-pad2" if layout != "linear" and rows == 1 else layout
+        name = name if name in projection.candidate_layouts(rows) else "weight-major"
+        projection.CHOICE[key] = name
+        forced.append(key[0])
+        return name
+
+    monkeypatch.setattr(projection, "CHOICE", {})
+    monkeypatch.setattr(projection, "tune_layout", pick)
     model = tiny_model("llama")
     bb = Backbone(model)
+    bb.head.autotune = True          # a tiny model's head is below the size that is timed
     ids = _prompt(model.config.vocab_size, seed=3)
     ref = hf_greedy(model, ids, N_NEW)
     drafters = [
@@ -304,25 +313,34 @@ def test_every_lm_head_layout_keeps_the_drafters_exact(monkeypatch, layout):
                           vocab_size=bb.vocab_size),
     ]
     for drafter in drafters:
-        out, _ = _run(model, drafter, ids, backbone=bb)
-        assert torch.equal(out, ref), f"{layout}: {drafter.name} diverged from plain greedy"
         if hasattr(drafter, "project"):
-            assert drafter.project.choice, f"{drafter.name}'s draft head never went through the projection"
-    assert set(bb.head.choice.values()) == ({"linear"} if layout == "linear" else {layout, "weight-major-pad2"})
+            drafter.project.autotune = True
+        mode = FewRowLinears(model, getattr(drafter, "model", None), min_elements=1)
+        with mode:
+            out, stats = _run(model, drafter, ids, backbone=bb)
+        assert torch.equal(out, ref), f"{layout}: {drafter.name} diverged from plain greedy"
+        assert mode.rerouted > 0
+        if hasattr(drafter, "project"):
+            assert tuple(drafter.project.weight.shape) in forced, f"{drafter.name}'s draft head never went through it"
+    assert tuple(bb.head.weight.shape) in forced
+    used = set(projection.CHOICE.values())
+    assert used == ({"linear"} if layout == "linear" else {layout, "weight-major-pad2"} | ({"weight-major"} if layout ==
+                    "weight-major-pairs" else set()))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_few_row_linears_keep_decoding_exact(arch):
-    """With every product of a few rows in its fastest layout (``FewRowLinears``, on for big models on
-    CPU; forced here on a tiny one), speculative greedy still equals transformers' plain greedy."""
+    """With every product of a few rows in its timed layout (``FewRowLinears``, on for models with
+    layers of at least 65k weights on CPU; forced here on a tiny one), speculative greedy still
+    equals transformers' plain greedy."""
     from selfspec.projection import FewRowLinears
     model = tiny_model(arch)
     bb = Backbone(model)
     ids = _prompt(model.config.vocab_size, seed=6)
     ref = hf_greedy(model, ids, N_NEW)
     drafter = DraftModelDrafter(tiny_model(arch, seed=5), build_tree(chain(3)), vocab_size=bb.vocab_size)
-    mode = FewRowLinears(min_elements=1)
+    mode = FewRowLinears(model, drafter.model, min_elements=1)
     with mode:
         out, stats = _run(model, drafter, ids)
     assert torch.equal(out, ref)
-    assert mode.by_shape and stats.drafted > 0   # it did reroute, and verified several rows at a time
+    assert mode.rerouted > 0 and stats.drafted > 0   # it did reroute, and verified several rows at a time

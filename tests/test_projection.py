@@ -1,12 +1,22 @@
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch.nn import functional as F
 
-from selfspec.projection import (LAYOUTS, MAX_TUNED_ROWS, MIN_TUNED_ELEMENTS, FewRowLinears, Projection, candidate_layouts,
-                                 few_row_linears)
+from selfspec import projection
+from selfspec.projection import (LAYOUTS, MAX_TUNED_ROWS, ROW_BUCKETS, FewRowLinears, Projection, candidate_layouts,
+                                 few_row_linears, row_bucket, tuning_rows)
 
 
-@pytest.mark.parametrize("name,rows", [(n, r) for r in (1, 2, 3, 4, 5) for n in candidate_layouts(r)])
+@pytest.fixture(autouse=True)
+def fresh_table(monkeypatch):
+    """Each test starts with no layout timed (the table is process-wide)."""
+    monkeypatch.setattr(projection, "TABLE", {})
+    monkeypatch.setattr(projection, "CHOICE", {})
+
+
+@pytest.mark.parametrize("name,rows", [(n, r) for r in (1, 2, 3, 4, 5, 8, 9) for n in candidate_layouts(r)])
 def test_every_layout_computes_the_same_product(name, rows):
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(300, 16, generator=g), torch.randn(rows, 16, generator=g)
@@ -15,26 +25,46 @@ def test_every_layout_computes_the_same_product(name, rows):
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_tuned_projection_matches_linear_and_remembers_its_choice():
+def test_candidates_and_row_buckets():
+    assert candidate_layouts(1) == ["linear", "weight-major", "weight-major-pad2"]
+    assert candidate_layouts(3) == candidate_layouts(8) == ["linear", "weight-major", "weight-major-pairs"]
+    assert candidate_layouts(9) == ["linear", "weight-major"]
+    assert [row_bucket(r) for r in (1, MAX_TUNED_ROWS, MAX_TUNED_ROWS + 1, ROW_BUCKETS[-1])] == \
+        [1, MAX_TUNED_ROWS, ROW_BUCKETS[0], ROW_BUCKETS[-1]]
+    assert row_bucket(ROW_BUCKETS[-1] + 1) is None
+    assert tuning_rows(3) == [1, 2, 3]
+    assert tuning_rows(30) == list(range(1, MAX_TUNED_ROWS + 1)) + [24, 32]
+
+
+def test_tuned_projection_matches_linear_and_times_each_row_bucket_once_per_shape():
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(MIN_TUNED_ELEMENTS // 64, 64, generator=g)
+    w = torch.randn(1 << 16, 64, generator=g)
     b = torch.randn(w.shape[0], generator=g)
     proj = Projection(w, b)
     assert proj.autotune
-    for shape in [(1, 64), (1, 3, 64), (4, 64)]:
+    for shape in [(1, 64), (1, 3, 64), (4, 64), (20, 64)]:
         x = torch.randn(*shape, generator=g)
         out = proj(x)
         assert out.shape == (*shape[:-1], w.shape[0])
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    # One timing per row count, with every candidate layout measured (padding only for one row).
-    assert sorted(proj.choice) == [1, 3, 4]
-    assert set(proj.timings[1]) == set(candidate_layouts(1)) == {"linear", "weight-major", "weight-major-pad2"}
-    assert set(proj.timings[3]) == {"linear", "weight-major", "weight-major-pairs"}
-    assert set(proj.timings[4]) == {"linear", "weight-major", "weight-major-pairs"}
-    assert all(proj.choice[r] == min(t, key=t.get) for r, t in proj.timings.items())
-    before = dict(proj.timings)
+    # One timing per row bucket, every candidate layout measured: 20 rows stand for 17..24.
+    assert sorted(proj.choices()) == [1, 3, 4, 24]
+    timings = {k[3]: t for k, t in projection.TABLE.items()}
+    assert set(timings[1]) == {"linear", "weight-major", "weight-major-pad2"}
+    assert set(timings[3]) == set(timings[4]) == {"linear", "weight-major", "weight-major-pairs"}
+    assert all(proj.choices()[r] == min(t, key=t.get) for r, t in timings.items())
+    # Seen buckets are not timed again, also by another projection of the same shape.
+    before = dict(projection.TABLE)
     proj(torch.randn(3, 64, generator=g))
-    assert proj.timings == before   # a seen row count is not timed again
+    proj(torch.randn(22, 64, generator=g))
+    Projection(torch.randn(1 << 16, 64, generator=g))(torch.randn(4, 64, generator=g))
+    assert projection.TABLE == before
+    # tune() times the rest up front; beyond the last bucket a product is F.linear, never timed.
+    proj.tune(32)
+    assert sorted(proj.choices()) == tuning_rows(32)
+    wide = torch.randn(ROW_BUCKETS[-1] + 1, 64, generator=g)
+    torch.testing.assert_close(proj(wide), F.linear(wide, w, b), rtol=1e-4, atol=1e-4)
+    assert sorted(proj.choices()) == tuning_rows(32)
 
 
 def test_small_weights_are_not_timed():
@@ -42,39 +72,63 @@ def test_small_weights_are_not_timed():
     proj = Projection(w)
     x = torch.randn(2, 8)
     torch.testing.assert_close(proj(x), F.linear(x, w))
-    assert not proj.autotune and proj.choice == {}
+    assert not proj.autotune and proj.choices() == {} and projection.TABLE == {}
 
 
-def test_few_row_linears_route_big_few_row_products_and_nothing_else():
+def test_a_timing_streams_the_weights_of_its_shape_up_to_the_byte_budget(monkeypatch):
+    """Timed over several weights, as a forward meets them (one weight timed again and again stays in the cache)."""
+    seen = []
+    monkeypatch.setitem(LAYOUTS, "linear", lambda x, w: seen.append(w.data_ptr()) or F.linear(x, w))
+    ws = [torch.randn(64, 32) for _ in range(5)]
+    monkeypatch.setattr(projection, "TIMING_BYTES", 3 * ws[0].numel() * ws[0].element_size())
+    projection.layout_for(ws, torch.randn(2, 32))
+    assert set(seen) == {w.data_ptr() for w in ws[:3]}
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, big: int):
+        super().__init__()
+        self.a = torch.nn.Linear(64, big, bias=True)
+        self.b = torch.nn.Linear(64, big, bias=False)     # same shape: timed together with a
+        self.small = torch.nn.Linear(64, 32)
+        self.lm_head = torch.nn.Linear(64, big)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def test_few_row_linears_reroute_few_row_products_of_big_layers_and_nothing_else():
     g = torch.Generator().manual_seed(1)
-    big = torch.nn.Linear(64, MIN_TUNED_ELEMENTS // 64, bias=True)
-    twin = torch.nn.Linear(64, MIN_TUNED_ELEMENTS // 64, bias=False)   # same shape: shares the timings
-    small = torch.nn.Linear(64, 32)
-    mode = FewRowLinears()
+    model = TwoLayers(projection.MIN_TUNED_ELEMENTS // 64)
+    mode = FewRowLinears(model)
+    assert mode.modules == [model.a, model.b]    # not the small layer, not the LM head
     with torch.no_grad():
         for rows in (1, 3):
             x = torch.randn(1, rows, 64, generator=g)
-            want = [F.linear(x, big.weight, big.bias), F.linear(x, twin.weight), small(x)]
+            want = [F.linear(x, model.a.weight, model.a.bias), F.linear(x, model.b.weight), model.small(x)]
             with mode:
-                got = [big(x), twin(x), small(x)]
+                got = [model.a(x), model.b(x), model.small(x)]
             for a, b in zip(got, want):
+                assert a.shape == b.shape
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert mode.rerouted == 4
         wide = torch.randn(MAX_TUNED_ROWS + 1, 64, generator=g)
         with mode:
-            torch.testing.assert_close(big(wide), F.linear(wide, big.weight, big.bias), rtol=1e-4, atol=1e-4)
-    # One timed Projection per big weight shape, each row count timed once; more rows than MAX_TUNED_ROWS untouched.
-    (proj,) = mode.by_shape.values()
-    assert sorted(proj.choice) == [1, 3]
-    # With gradients on (training), nothing is rerouted.
-    x = torch.randn(2, 64, generator=g)
+            torch.testing.assert_close(model.a(wide), F.linear(wide, model.a.weight, model.a.bias), rtol=1e-4, atol=1e-4)
+    assert mode.rerouted == 4                       # more rows than MAX_TUNED_ROWS: the module's own product
+    # One timing per (shape, row count), shared by both layers.
+    assert sorted(k[3] for k in projection.CHOICE) == [1, 3]
+    # With gradients on (training), nothing is rerouted; outside ``with`` no hook is left behind.
     with mode:
-        out = big(x)
-    assert out.requires_grad and sorted(proj.choice) == [1, 3]
+        out = model.a(torch.randn(2, 64, generator=g))
+    assert out.requires_grad and mode.rerouted == 4
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    mode.tune()
+    assert sorted(k[3] for k in projection.CHOICE) == list(range(1, MAX_TUNED_ROWS + 1))
 
 
 def test_few_row_linears_only_for_models_with_big_layers():
     from conftest import tiny_model
-    from contextlib import nullcontext
     tiny = tiny_model("llama")
     assert isinstance(few_row_linears(tiny), nullcontext)
     assert isinstance(few_row_linears(tiny, None, min_elements=1), FewRowLinears)

@@ -168,13 +168,16 @@ def build_methods(
             return rows_of(out, ids.shape[1]), sm.last_stats
 
         def prepare(positions: int, batch_sizes=(1,)) -> None:
-            """Compiled: size the static cache for the run and compile every tree bucket the drafter can
-            fill, at every batch size the run has, before anything is timed."""
+            """Before anything is timed: eager, time every product layout the run's batches can meet;
+            compiled, size the static cache for the run and compile every tree bucket the drafter can
+            fill, at every batch size the run has."""
+            if sm.step is None:
+                sm.tune_layouts(max(batch_sizes))
+                return
             sm.step.reserve(positions)
             for b in batch_sizes:
                 sm.step.warm_up(batch=b, max_nodes=sm.drafter.max_nodes, capture=sm.drafter.capture_layers)
-        if sm.step is not None:
-            fn.prepare = prepare
+        fn.prepare = prepare
         return fn
 
     loaded_heads = {}   # heads loaded once per (kind, directory), shared by a method and its "-heads" variant

@@ -47,6 +47,7 @@ from ..heads import Heads, load_heads, read_heads_config, write_heads_config
 from ..bench.harness import load_prompts as load_bench_prompts
 from ..io import atomic_write_text, prompt_ids
 from ..loading import check_model_name, load_model
+from ..model import tune_layouts
 from ..projection import few_row_linears
 from ..sampling import SamplingParams
 from ..settings import DecodeSettings
@@ -159,7 +160,8 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
     i, ``ratios[i]`` its tokens/s over plain decoding's on the same prompt in the same round.
     """
     run = lambda d, prompt, n: _run(bb, d, prompt, n, linears)  # noqa: E731
-    for d in drafters:  # warm-up, and the LM-head projection times its layouts for each tree size here
+    for d in drafters:  # warm-up; every product layout a drafter can meet is timed here, not in a timed run
+        tune_layouts(bb, d, linears)
         run(d, prompts[0], 4)
     runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
     ratios: list[list[float]] = [[] for _ in drafters]
@@ -217,7 +219,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
         make = lambda spec, t, g, k: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
                                                       threshold=t)
     drafters = [NoDrafter(bb.device)] + [make(*cand) for cand in grid]   # index 0: the plain reference
-    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model), max_new_tokens=max_new_tokens,
+    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, heads.module), max_new_tokens=max_new_tokens,
                                  repeats=repeats, progress=progress)
 
     def size(spec) -> int:
