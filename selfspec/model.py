@@ -129,6 +129,8 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
 def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1) -> None:
     """Time every layout that ``drafter``'s decoding of ``batch`` rows under ``linears`` can meet: the
     LM head's up to every row's tree, the drafter's own projection, the rerouted layers' products."""
+    if batch < 1:
+        raise ValueError(f"batch={batch}: layouts are timed for batches of at least one row")
     for proj in (backbone.head, getattr(drafter, "project", None)):
         if proj is not None:
             proj.tune(batch * drafter.max_nodes)

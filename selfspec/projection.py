@@ -43,6 +43,8 @@ from torch.nn import functional as F
 # Layers whose weights are smaller than this (elements) are left to F.linear: the hooks would cost
 # more than the layout saves. Every weight of the 135M demo model's layers is above it.
 MIN_TUNED_ELEMENTS = 1 << 16
+# A Projection (an LM head or a draft-vocabulary slice) smaller than this is left to F.linear.
+MIN_HEAD_ELEMENTS = 1 << 22
 # A decoder layer's products are rerouted up to this many rows; more (a prefill, a big tree or
 # batch) is a proper matrix product, which BLAS handles well.
 MAX_TUNED_ROWS = 16
@@ -154,7 +156,7 @@ class Projection:
     """``x (..., H) -> x @ weight.T (..., V)`` with the layout measured fastest for x's row count."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, autotune: bool = True,
-                 min_elements: int = 1 << 22):
+                 min_elements: int = MIN_HEAD_ELEMENTS):
         self.weight = weight                            # (V, H)
         self.bias = bias                                # (V,) or None
         self.autotune = autotune and weight.numel() >= min_elements
