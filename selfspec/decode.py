@@ -93,22 +93,26 @@ def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, cap
     return h, tuple(got[c] for c in capture)
 
 
-def batch_mask(visible: list[torch.Tensor], starts: list[int], n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask (B, 1, n, max(starts) + n) for a batched forward on a ``KVCache``.
+def batch_mask(visible: list[torch.Tensor], starts: list[int], n: int, dtype: torch.dtype, *,
+               first: list[int] | None = None) -> torch.Tensor:
+    """Additive mask (B, 1, n, max(starts + first) + n) for a batched forward on a ``KVCache``.
 
-    Row b's tokens sit at slots [0, starts[b]) and its n new queries are written at starts[b]..;
-    visible[b]: (n_b, n_b) bool, which of the row's own first n_b new slots each of its first n_b
-    queries may see (a tree's ancestors, or causal). Every query sees its row's past; padding
-    queries (n_b <= i < n) see only themselves, so no row is all masked; stale slots are hidden."""
+    Row b's tokens sit at slots [0, starts[b]); its tree (or causal run) of m_b nodes occupies
+    slots starts[b] + j, j < m_b. visible[b]: (m_b, m_b) bool, which nodes each node may see (a
+    tree's ancestors, or causal). The queries are row b's nodes first[b] .. m_b - 1 (default 0:
+    all of them; first[b] > 0 when the nodes before were already written, as early exit's
+    drafted layers are), padded to n. Every query sees its row's past; padding queries see only
+    themselves, so no row is all masked; stale slots are hidden."""
     B, dev = len(starts), visible[0].device
-    S = max(starts) + n
+    first = [0] * B if first is None else first
+    S = max(s + f for s, f in zip(starts, first)) + n
     vis = torch.zeros(B, n, S, dtype=torch.bool, device=dev)
     diag = torch.arange(n, device=dev)
-    for b, (v, s) in enumerate(zip(visible, starts)):
-        m = v.shape[0]
+    for b, (v, s, f) in enumerate(zip(visible, starts, first)):
+        m = v.shape[0] - f                          # real queries of the row
         vis[b, :, :s] = True
-        vis[b, diag[m:], s + diag[m:]] = True
-        vis[b, :m, s:s + m] = v
+        vis[b, diag[m:], s + f + diag[m:]] = True
+        vis[b, :m, s:s + v.shape[0]] = v[f:]
     return torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill(~vis, torch.finfo(dtype).min)[:, None]
 
 
@@ -146,19 +150,56 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: li
     Per row: logits/hidden (n_b, V)/(n_b, H), captured (1, n_b, H)."""
     if len(drafts) == 1:
         return [_verify_one(backbone, cache, pasts[0], drafts[0], capture=capture)]
+    if any(d.resume is not None for d in drafts):
+        return _verify_resumed_rows(backbone, cache, pasts, drafts, capture=capture)
     dev = backbone.device
-    for b, d in enumerate(drafts):
-        if d.resume is not None:         # batched rows resume nowhere: drop the drafter's layer < E writes
-            cache.truncate(pasts[b], row=b)
     sizes = [d.tree.size for d in drafts]
     n = max(sizes)
-    tokens = torch.stack([torch.cat([d.tokens.to(dev), d.tokens.new_zeros(n - d.tree.size).to(dev)]) for d in drafts])
-    positions = torch.stack([torch.cat([d.tree.depths, d.tree.depths.new_zeros(n - d.tree.size)]).to(dev) + p
-                             for d, p in zip(drafts, pasts)])
+    tokens = _padded([d.tokens for d in drafts], n, dev)
+    positions = _padded([d.tree.depths for d in drafts], n, dev) + torch.tensor(pasts, device=dev)[:, None]
     mask = batch_mask([d.tree.ancestors.to(dev) for d in drafts], pasts, n, backbone.dtype)
     h, mid = _layers(backbone, backbone.embed_tokens(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
                      capture=capture)
     return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
+
+
+def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
+                         capture: tuple[int, ...]) -> list[TargetOut]:
+    """``verify_rows`` where drafters already ran layers[0:E] for each row's first m_b nodes (early exit).
+
+    Their KV for layers < E sits in the cache at slots past_b .. past_b + m_b - 1, so layers < E run
+    only for each row's other nodes (written right after them: node j at slot past_b + j, as in a
+    fresh pass), then layers[E:] for every node, from the saved states and the new ones."""
+    dev = backbone.device
+    E = next(d.resume.layer for d in drafts if d.resume is not None)
+    if any(d.resume is not None and d.resume.layer != E for d in drafts):
+        raise ValueError("rows of one batch must resume at the same layer")
+    if any(c < E for c in capture):
+        raise ValueError(f"a drafter that resumes at layer {E} cannot capture earlier layers {capture}")
+    sizes = [d.tree.size for d in drafts]
+    ran = [0 if d.resume is None else d.resume.hidden.shape[1] for d in drafts]      # m_b
+    n, R = max(sizes), max(s - m for s, m in zip(sizes, ran))
+    ancestors = [d.tree.ancestors.to(dev) for d in drafts]
+    saved = [None if d.resume is None else d.resume.hidden[0] for d in drafts]     # (m_b, H)
+    if R > 0:   # layers[0:E] for the nodes no drafter ran, (B, R) padded
+        tokens = _padded([d.tokens[m:] for d, m in zip(drafts, ran)], R, dev)
+        positions = _padded([d.tree.depths[m:] for d, m in zip(drafts, ran)], R, dev) + \
+            torch.tensor(pasts, device=dev)[:, None]
+        mask = batch_mask(ancestors, pasts, R, backbone.dtype, first=ran)
+        rest = backbone.run_layers(backbone.embed_tokens(tokens), start=0, end=E, position_ids=positions,
+                                   attention_mask=mask, cache=cache)                  # (B, R, H)
+        saved = [rest[b, : s - m] if h is None else torch.cat([h, rest[b, : s - m]])
+                 for b, (h, s, m) in enumerate(zip(saved, sizes, ran))]
+    h = torch.stack([torch.cat([x, x.new_zeros(n - x.shape[0], x.shape[1])]) for x in saved])   # (B, n, H)
+    positions = _padded([d.tree.depths for d in drafts], n, dev) + torch.tensor(pasts, device=dev)[:, None]
+    mask = batch_mask(ancestors, pasts, n, backbone.dtype)
+    h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture)
+    return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
+
+
+def _padded(rows: list[torch.Tensor], n: int, device) -> torch.Tensor:
+    """1-D long rows, zero-padded to n and stacked: (B, n)."""
+    return torch.stack([torch.cat([r, r.new_zeros(n - r.shape[0])]).to(device) for r in rows])
 
 
 def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tensor, ...], rows: list[int],

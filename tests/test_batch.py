@@ -16,7 +16,7 @@ from selfspec.backbone import Backbone
 from selfspec.cache import KVCache
 from selfspec.decode import decode_rows
 from selfspec.drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter
-from selfspec.drafters.base import DecodeState, Draft, Drafter
+from selfspec.drafters.base import DecodeState, Draft, Drafter, Resume
 from selfspec.drafters.draft_model import truncated_copy
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.sampling import SamplingParams
@@ -163,6 +163,78 @@ def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
                              step=_step(step, bb))
     assert new == expected
     assert stats.new_tokens == sum(len(x) for x in expected)
+
+
+class ResumingOracle(RowOracle):
+    """Drafts as early exit does: runs layers[0:E] on the pending token and the first m - 1 chain
+    drafts through the row's cache, one token at a time, and hands their states to the verifier;
+    m depends on the row and the step, so rows of one batch resume with different numbers of nodes."""
+
+    def __init__(self, bb: Backbone, references, paths, exit_layer: int):
+        super().__init__(references, paths)
+        self.bb, self.exit_layer = bb, exit_layer
+
+    def draft(self, state: DecodeState) -> Draft:
+        d = super().draft(state)
+        m = 1 + (self.steps + len(state.ids)) % (d.tree.depth + 1)        # root + 0..depth chain drafts
+        hidden = [self.bb.run_layers(self.bb.embed(d.tokens[j:j + 1]), start=0, end=self.exit_layer,
+                                     position_ids=torch.tensor([[state.past_len + j]]), attention_mask=None,
+                                     cache=state.cache) for j in range(m)]
+        return Draft(tree=d.tree, tokens=d.tokens, resume=Resume(layer=self.exit_layer, hidden=torch.cat(hidden, dim=1)))
+
+
+def _check_row_cache(bb: Backbone, state: DecodeState) -> None:
+    """Every layer of the row's KV equals a fresh pass over its committed tokens (the pending one aside)."""
+    fresh = KVCache()
+    ids = torch.tensor(state.ids[:-1])
+    bb.run_layers(bb.embed(ids), start=0, end=bb.num_layers, position_ids=torch.arange(len(ids))[None],
+                  attention_mask=None, cache=fresh)
+    row = state.cache
+    for layer in range(bb.num_layers):
+        k, v = row.cache.layer(layer, row.index)
+        assert k.shape[2] == len(ids)
+        torch.testing.assert_close(k, fresh.layer(layer)[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v, fresh.layer(layer)[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_rows_resuming_at_the_exit_layer_keep_the_cache_exact(step, one_thread):
+    """Early exit at B > 1: the verifier reuses each row's drafted layer < E KV (a different number
+    of nodes per row) and runs layers < E only for the rest; every row stays exact and its cache
+    equals a fresh pass at every accepted length."""
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size)
+    ref = _alone(model, prompts, 40)
+    seen, resumed = set(), []
+
+    class Checked(ResumingOracle):
+        def draft(self, state):
+            d = super().draft(state)
+            resumed.append(d.resume.hidden.shape[1])
+            return d
+
+        def commit(self, state, accepted, out):
+            seen.add(accepted.num_accepted)
+            _check_row_cache(bb, state)
+
+    drafter = Checked(bb, [p.tolist() + r for p, r in zip(prompts, ref)], chain_with_siblings(3, 2), exit_layer=2)
+    # (rows, nodes) of every batched pass through layer 0: the eager verifier runs the 7-node trees'
+    # layers < E only for nodes no row drafted, so never for all 7.
+    shapes = []
+    hook = bb.layers[0].register_forward_pre_hook(lambda _m, args, kw: shapes.append(tuple(
+        (args[0] if args else kw["hidden_states"]).shape[:2])), with_kwargs=True)
+    try:
+        new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids=set(),
+                             generator=None, step=_step(step, bb))
+    finally:
+        hook.remove()
+    assert new == ref
+    assert seen >= {0, 1, 2, 3} and set(resumed) == {1, 2, 3, 4}
+    batched = [n for b, n in shapes if b > 1 and n != max(LENGTHS)]     # verify passes (prefill aside)
+    assert batched
+    if step == "eager":
+        assert max(batched) < 7, "the batched verifier recomputed layers < E for nodes a row had drafted"
 
 
 @pytest.mark.parametrize("step", STEPS)
