@@ -33,6 +33,7 @@ def main() -> None:
     from selfspec.backbone import Backbone
     from selfspec.loading import load_model
     from selfspec.projection import few_row_linears
+    from transformers import DynamicCache
 
     model = load_model(a.model).model
     bb = Backbone(model)
@@ -41,25 +42,30 @@ def main() -> None:
     prefix = torch.randint(100, 10_000, (1, a.context), generator=g)
     rows = []
     with torch.no_grad():
+        # transformers' forward on its own DynamicCache; selfspec's layers on selfspec's KVCache
+        hf_cache = DynamicCache(config=model.config)
+        model(prefix, past_key_values=hf_cache, use_cache=True)
         cache = kv.new_cache()
-        model(prefix, past_key_values=cache, use_cache=True)
+        bb.run_layers(bb.embed(prefix[0]), start=0, end=bb.num_layers, position_ids=torch.arange(a.context)[None],
+                      attention_mask=None, cache=cache)
         for k in (int(x) for x in a.ks.split(",")):
             x = torch.randint(100, 10_000, (1, k), generator=g)
             h = torch.randn(1, k, model.config.hidden_size, generator=g)
             bb.logits(h)  # the projections time their layouts for k rows once, here
-            with linears:
-                model.model(x, past_key_values=cache, use_cache=True)
+            _ours(bb, linears, x, cache, a.context)
             kv.truncate(cache, a.context)
             t = {"hf": [], "ours": [], "linear": [], "head": []}
             for _ in range(a.repeats):
-                for name, fn in (("hf", lambda: model(x, past_key_values=cache, use_cache=True)),
-                                 ("ours", lambda: _ours(bb, linears, model, x, cache)),
+                for name, fn in (("hf", lambda: model(x, past_key_values=hf_cache, use_cache=True)),
+                                 ("ours", lambda: _ours(bb, linears, x, cache, a.context)),
                                  ("linear", lambda: F.linear(h, bb.lm_head.weight)),
                                  ("head", lambda: bb.logits(h))):
                     t0 = time.perf_counter()
                     fn()
                     t[name].append(time.perf_counter() - t0)
                     kv.truncate(cache, a.context)
+                    if hf_cache.get_seq_length() > a.context:   # transformers 5: crop(-n) removes n tokens
+                        hf_cache.crop(a.context - hf_cache.get_seq_length())
             rows.append((k, {n: statistics.median(v[3:]) * 1e3 for n, v in t.items()}, bb.head.choices().get(k, "linear")))
     base = rows[0][1]["hf"]
     print(f"{a.model}, {a.threads} threads, {a.context}-token context, torch {torch.__version__}")
@@ -70,9 +76,13 @@ def main() -> None:
               f"| {m['linear']:.1f} | {m['head']:.1f} ({layout}) |")
 
 
-def _ours(bb, linears, model, x, cache):
+def _ours(bb, linears, x, cache, start):
+    """k new tokens (1, k) through selfspec's layers (few-row products in their timed layouts) and LM head."""
+    k = x.shape[1]
     with linears:
-        return bb.logits(model.model(x, past_key_values=cache, use_cache=True).last_hidden_state)
+        h = bb.run_layers(bb.embed(x[0]), start=0, end=bb.num_layers, position_ids=torch.arange(start, start + k)[None],
+                          attention_mask=None, cache=cache)
+        return bb.logits(bb.final_norm(h))
 
 
 if __name__ == "__main__":

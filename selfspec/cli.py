@@ -20,8 +20,9 @@ from typing import Callable
 
 from . import __version__
 from .io import prompt_ids
-from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
-from .training.cli_args import at_least, check_output_dir, check_prompt_text, check_sampling
+from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter, shipped_draft
+from .settings import CORPUS_HELP
+from .training.cli_args import at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling
 
 
 def format_stats(stats) -> str:
@@ -47,6 +48,8 @@ def check_generate_args(args) -> None:
         raise ValueError("--draft-model only applies to --drafter draft-model: drop it or add --drafter draft-model")
     if args.heads is not None and args.drafter not in HEADS_DRAFTERS:
         raise ValueError(f"--drafter {args.drafter} takes no --heads (only {', '.join(HEADS_DRAFTERS)} do): drop --heads")
+    check_corpus_arg(args.corpus, args.drafter)
+
 
 
 def cmd_generate(args) -> int:
@@ -67,7 +70,7 @@ def cmd_generate(args) -> int:
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
                                               tree=args.tree, dtype=args.dtype, device=args.device,
                                               threshold=args.threshold, gate=args.gate, lookup=args.lookup,
-                                              compile=args.compile)
+                                              corpus=None if args.corpus == "none" else args.corpus, compile=args.compile)
     ids = torch.tensor([prompt_ids(sm.tokenizer, args.prompt, chat=args.chat)])
     sampling = args.temperature > 0
     gen = torch.Generator(device=sm.backbone.device).manual_seed(args.seed)
@@ -98,6 +101,7 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     for key in SETTING_KEYS:
         takers = [d for d in DRAFTER_NAMES if getattr(DRAFTER_SETTINGS[d], key) is not None]
         p.add_argument(f"--{key}", default="auto", help=f"{' / '.join(takers)}: {SETTING_HELP[key]}")
+    p.add_argument("--corpus", default="auto", help=CORPUS_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
@@ -176,6 +180,42 @@ def add_export_heads(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_export_heads)
 
 
+def cmd_build_corpus(args) -> int:
+    check_output_dir(args.out, force=args.force)
+    if not args.data:
+        raise ValueError("--data needs at least one gen-data directory")
+
+    from .backbone import config_fingerprint
+    from .corpus import Corpus, answers_from_data
+    from .loading import check_model_name, model_config
+    from .training.data import read_meta
+
+    check_model_name(args.model)
+    meta = read_meta(args.data)       # every directory must be gen-data output, of one model
+    if meta.get("model") not in (None, args.model):
+        raise ValueError(f"{args.data} holds answers of {meta['model']}, not of {args.model}: pass --model {meta['model']}")
+    config = model_config(args.model)
+    if meta.get("vocab_size") not in (None, config.vocab_size):
+        raise ValueError(f"{args.data} holds token ids of a {meta['vocab_size']}-token vocabulary, but {args.model} "
+                         f"has {config.vocab_size}: use data that model generated")
+    answers, sources = answers_from_data(args.data)
+    corpus = Corpus.from_answers(answers, base_model=args.model, base_fingerprint=config_fingerprint(config),
+                                 vocab_size=config.vocab_size, sources=sources)
+    corpus.save(args.out)
+    print(f"wrote a corpus of {corpus.config.sequences} answers ({corpus.config.tokens} tokens) of {args.model} to "
+          f"{args.out}; use it with --corpus {args.out} (corpus= in Python)")
+    return 0
+
+
+def add_build_corpus(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="the target whose answers these are")
+    p.add_argument("--data", required=True,
+                   help="gen-data directories (comma-separated; DIR@N keeps the first N rows): their response tokens")
+    p.add_argument("--out", required=True, help="a new directory to write")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_build_corpus)
+
+
 def setup_train_heads(p: argparse.ArgumentParser) -> None:
     from .training.train import add_train_heads_args, run_train_heads
 
@@ -237,6 +277,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "eval-heads": ("per-head top-1/top-5 accuracy of trained heads on prompts they never saw", setup_eval),
     "bench": ("compare decoding methods side by side against transformers' generate", setup_bench),
     "gen-data": ("self-distillation data: the target answers prompts (resumable)", setup_gen_data),
+    "build-corpus": ("index the target's own answers (gen-data output) for the lookup to draft from", add_build_corpus),
     "synth-prompts": ("self-instruct: the target writes new prompts in the style of seed prompts", setup_synth),
 }
 

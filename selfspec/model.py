@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .backbone import Backbone, config_fingerprint
+from .corpus import Corpus, load_corpus, read_corpus_config
 from .decode import DecodeStats, decode_rows
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
                        check_drafter_name)
@@ -30,7 +31,7 @@ from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .projection import FewRowLinears, few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
-from .shipped import HEADS_DRAFTERS, default_drafter, shipped_draft, shipped_heads
+from .shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter, shipped_corpus, shipped_draft, shipped_heads
 from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
                        check_settings, default_exit_layer, resolve_settings)
 from .tree import build_tree, parse_tree
@@ -141,8 +142,11 @@ def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1) -> Non
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
-                 compile: "bool | StaticStep" = False):
+                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False):
+        if corpus is not None and drafter_name not in LOOKUP_DRAFTERS:
+            raise ValueError(f"a corpus feeds the lookup of the {', '.join(LOOKUP_DRAFTERS)} drafters, not {drafter_name!r}")
         self.model = model
+        self.corpus = corpus   # the target's own answers, looked up where the context has no match (corpus.py)
         self.tokenizer = tokenizer
         self.name = name
         self.backbone = Backbone(model)
@@ -161,13 +165,14 @@ class SelfSpeculativeModel:
         if drafter_name == "none":
             self.drafter = NoDrafter(self.backbone.device)
         elif drafter_name == "lookup":
-            self.drafter = LookupDrafter(self.backbone.device, lookup=st.lookup, vocab_size=self.backbone.vocab_size)
+            self.drafter = LookupDrafter(self.backbone.device, lookup=st.lookup, vocab_size=self.backbone.vocab_size,
+                                         corpus=corpus)
         elif drafter_name == "medusa":
             paths = parse_tree(st.tree, default=())
             if st.tree is DRAFTER_SETTINGS["medusa"].tree:   # the default tree, cut to the depth these heads fill
                 paths = tuple(p for p in paths if len(p) <= heads.config.num_heads)
             self.drafter = MedusaDrafter(self.backbone, heads, build_tree(paths, device), threshold=st.threshold,
-                                         gate=st.gate, lookup=st.lookup)
+                                         gate=st.gate, lookup=st.lookup, corpus=corpus)
         elif drafter_name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
                 raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
@@ -175,7 +180,7 @@ class SelfSpeculativeModel:
                                             threshold=st.threshold)
         elif drafter_name == "eagle":
             self.drafter = EagleDrafter(self.backbone, heads, **parse_dynamic_tree(st.tree), threshold=st.threshold,
-                                        lookup=st.lookup)
+                                        lookup=st.lookup, corpus=corpus)
         else:
             self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
                                              vocab_size=self.backbone.vocab_size, threshold=st.threshold)
@@ -188,7 +193,7 @@ class SelfSpeculativeModel:
     @classmethod
     def from_pretrained(cls, name_or_path, drafter: str = "auto", heads=None, exit_layer: int | None = None,
                         draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS,
-                        threshold="auto", gate="auto", lookup="auto", compile: bool = False):
+                        threshold="auto", gate="auto", lookup="auto", corpus="auto", compile: bool = False):
         """Load a target model and attach a drafter.
 
         drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
@@ -203,7 +208,10 @@ class SelfSpeculativeModel:
         whose tree the heads expect fewer than this many tokens accepted from proposes nothing (a plain step;
         "auto" as for threshold). lookup: medusa; each greedy step also proposes up to this many tokens
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
-        drafter="lookup" drafts only such copies (no heads; "auto" = 8). compile: run each verification at
+        drafter="lookup" drafts only such copies (no heads; "auto" = 8). corpus: where the context has no
+        match, the lookup (lookup, medusa and eagle drafters) proposes what followed the same tokens in the
+        target's own earlier answers: a directory from ``selfspec build-corpus``; "auto" takes the one
+        shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
         pay the compilation (tens of seconds on CPU). Output is unchanged either way.
         """
@@ -224,6 +232,7 @@ class SelfSpeculativeModel:
                 raise ValueError("drafter='draft-model' needs draft_model= (a model directory, .gguf, or hub id)")
         if isinstance(draft_model, (str, os.PathLike)):
             check_model_name(draft_model)
+        corpus = cls._corpus_dir(corpus, drafter, name_or_path)
         dtype, device = resolve_dtype(dtype), resolve_device(device)
         loaded = load_model(name_or_path, dtype=dtype, device=device)
         model = loaded.model
@@ -251,9 +260,22 @@ class SelfSpeculativeModel:
                 draft = draft_model
         elif heads is not None or draft_model is not None:
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
+        corpus_obj = None if corpus is None else load_corpus(corpus, fingerprint=config_fingerprint(model.config))
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
-                   compile=compile)
+                   corpus=corpus_obj, compile=compile)
+
+    @staticmethod
+    def _corpus_dir(corpus, drafter: str, name_or_path) -> Path | None:
+        """from_pretrained's ``corpus`` -> the directory to load (checked before any model loads), or None."""
+        if corpus == "auto":
+            return shipped_corpus(name_or_path) if drafter in LOOKUP_DRAFTERS else None
+        if corpus is None or corpus == "none":
+            return None
+        if drafter not in LOOKUP_DRAFTERS:
+            raise ValueError(f"corpus= feeds the lookup of the {', '.join(LOOKUP_DRAFTERS)} drafters, not {drafter!r}")
+        read_corpus_config(corpus)
+        return Path(corpus)
 
     @staticmethod
     def _apply_lora(model, heads_dir: Path, config: HeadsConfig) -> None:

@@ -19,6 +19,15 @@ DEFAULT_TOKEN_INPUT = True       # Medusa heads also read the root token's embed
 DEFAULT_LOOKUP = 8               # context tokens the lookup drafter copies per step (tune-tree chose 8 for the demo's heads)
 DEFAULT_EAGLE_TREE = "dynamic-5-4-8"   # depth 5, expand 4, keep 8 nodes (before tune-tree measures better)
 DEFAULT_CHAIN_TREE = "chain-4"   # early exit and the draft model: a chain of 4
+# The corpus lookup (corpus.py): n-grams of these lengths are looked up in the target's own earlier
+# answers, and a proposed chain goes on while at least CORPUS_MIN_COUNT occurrences and
+# CORPUS_MIN_SHARE of them agree on the next token (chosen on held-out-style prompts by simulating
+# the lookup over the target's greedy answers: docs/results/README.md).
+CORPUS_MIN_NGRAM, CORPUS_MAX_NGRAM = 2, 4
+CORPUS_MIN_COUNT, CORPUS_MIN_SHARE = 2, 0.5
+CORPUS_HELP = ("lookup / medusa / eagle: where the context has no match, the lookup proposes what followed in the "
+               "target's own earlier answers: a directory from `selfspec build-corpus`; auto = the one shipped for "
+               "the demo model, none = off. Output is unchanged")
 # Medusa's sparse tree for 4 heads (paths of candidate ranks): wide near the root where heads are
 # accurate, thin deeper; 15 nodes. `selfspec tune-tree` replaces it with what measures fastest.
 MEDUSA_DEFAULT: tuple[tuple[int, ...], ...] = (

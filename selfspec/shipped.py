@@ -25,6 +25,7 @@ CHECKPOINTS = _checkpoints_dir()
 # the CLI lists and checks names before that), and those that take a heads directory.
 DRAFTER_NAMES = ("none", "early-exit", "medusa", "draft-model", "lookup", "eagle")
 HEADS_DRAFTERS = ("medusa", "early-exit", "eagle")
+LOOKUP_DRAFTERS = ("lookup", "medusa", "eagle")   # those whose lookup may read a corpus
 
 
 def shipped_heads(model: str, drafter: str) -> Path | None:
@@ -37,6 +38,12 @@ def shipped_draft(model: str) -> Path | None:
     base = CHECKPOINTS / str(model)
     drafts = sorted(base.glob("draft-*l")) if base.is_dir() else []
     return drafts[0] if drafts else None
+
+
+def shipped_corpus(model: str) -> Path | None:
+    """The corpus of ``model``'s own answers shipped for its lookup (``corpus.py``), if any."""
+    path = CHECKPOINTS / str(model) / "corpus"
+    return path if (path / "config.json").is_file() else None
 
 
 def default_drafter(model: str) -> str:

@@ -70,6 +70,13 @@ def d(tmp_path_factory) -> Path:
     (root / "run" / "trainer_state.pt").write_bytes(b"x")
     (root / "data").mkdir()                           # gen-data output (its meta.json is all the checks read)
     (root / "data" / "meta.json").write_text(json.dumps({"format": 1, "model": str(tiny)}))
+    (root / "other-data").mkdir()                     # gen-data output of another model
+    (root / "other-data" / "meta.json").write_text(json.dumps({"format": 1, "model": "some-other-model"}))
+    from selfspec.backbone import config_fingerprint
+    from selfspec.corpus import Corpus
+
+    for name, fp in (("corpus", config_fingerprint(model.config)), ("other-corpus", "0123456789abcdef")):
+        Corpus.from_answers([[3, 4, 5, 6]], base_model=str(tiny), base_fingerprint=fp, vocab_size=V).save(root / name)
     return root
 
 
@@ -103,7 +110,12 @@ CASES = [
     ("generate-heads-of-another-model", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/other-medusa"),
     ("generate-truncated-heads", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/trunc-medusa"),
     ("generate-invalid-heads-config", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/badcfg-medusa"),
+    ("generate-corpus-not-a-corpus", "generate --model {d}/tiny --prompt w3 --drafter lookup --corpus {d}/nodata"),
+    ("generate-corpus-for-early-exit", "generate --model {d}/tiny --prompt w3 --drafter early-exit --corpus {d}/corpus"),
+    ("generate-corpus-of-another-model", "generate --model {d}/tiny --prompt w3 --drafter lookup --corpus {d}/other-corpus"),
     # bench
+    ("bench-corpus-not-a-corpus", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-lookup "
+                                  "--corpus {d}/nodata --out {o}"),
     ("bench-unknown-method", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods hf-greedy,warp-speed --out {o}"),
     ("bench-row-without-prompt", "bench --model {d}/tiny --prompts {d}/noprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-json-line", "bench --model {d}/tiny --prompts {d}/notjson.jsonl --methods selfspec-ar --out {o}"),
@@ -120,6 +132,10 @@ CASES = [
     ("gen-data-batch-size-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --batch-size 0"),
     ("gen-data-non-json-line", "gen-data --model {d}/tiny --prompts {d}/notjson.jsonl --out {o}"),
     ("gen-data-non-empty-out", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {d}/full"),
+    # build-corpus
+    ("build-corpus-not-gen-data", "build-corpus --model {d}/tiny --data {d}/nodata --out {o}"),
+    ("build-corpus-non-empty-out", "build-corpus --model {d}/tiny --data {d}/data --out {d}/full"),
+    ("build-corpus-another-models-data", "build-corpus --model {d}/tiny --data {d}/other-data --out {o}"),
     # train-heads / train-draft
     ("train-heads-steps-zero", "train-heads --model {d}/tiny --data {d}/data --out {o} --steps 0"),
     ("train-heads-unknown-mixed-precision", "train-heads --model {d}/tiny --data {d}/data --out {o} --mixed-precision fp8"),
@@ -196,8 +212,12 @@ def _one_line(excinfo) -> str:
     (dict(name_or_path="{d}/tiny", drafter="lookup", heads="{d}/medusa"), ValueError, "neither heads"),
     (dict(name_or_path="{d}/tiny", drafter="draft-model"), ValueError, "draft_model="),
     (dict(name_or_path="{d}/tiny", drafter="early-exit", exit_layer=9), ValueError, "exit layer 9"),
+    (dict(name_or_path="{d}/tiny", drafter="early-exit", corpus="{d}/corpus"), ValueError, "feeds the lookup"),
+    (dict(name_or_path="{d}/tiny", drafter="lookup", corpus="{d}/nodata"), ValueError, "not a corpus directory"),
+    (dict(name_or_path="{d}/tiny", drafter="lookup", corpus="{d}/other-corpus"), ValueError, "not of this model"),
 ], ids=["malformed-name", "text-gguf", "empty-gguf", "wrong-kind-heads", "missing-heads", "truncated-heads",
-        "threshold", "eagle-tree", "heads-for-lookup", "no-draft-model", "exit-layer"])
+        "threshold", "eagle-tree", "heads-for-lookup", "no-draft-model", "exit-layer", "corpus-for-early-exit",
+        "not-a-corpus", "corpus-of-another-model"])
 def test_from_pretrained_bad_input(kwargs, error, match, d):
     from selfspec import SelfSpeculativeModel
 

@@ -12,9 +12,11 @@ import torch
 from ..heads import read_heads_config
 from ..io import prompt_ids
 from ..loading import check_model_name, load_model
-from ..settings import DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
-from ..shipped import HEADS_DRAFTERS, shipped_draft, shipped_heads
-from ..training.cli_args import at_least, check_output_dir, check_sampling
+from ..backbone import config_fingerprint
+from ..corpus import load_corpus
+from ..settings import CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
+from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
+from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, DRAFT_METHODS, load_prompts, run_bench
 from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, split_variant
 from .report import decoding_mode, markdown, write_report
@@ -39,6 +41,7 @@ def add_bench_args(p) -> None:
         for key in SETTING_KEYS:
             if getattr(DRAFTER_SETTINGS[drafter], key) is not None:
                 p.add_argument(f"--{prefix}-{key}", default="auto", help=f"{drafter}: {SETTING_HELP[key]}")
+    p.add_argument("--corpus", default="auto", help=CORPUS_HELP)
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call (left-padded batches, file order); methods that refuse batches are reported as refused")
     p.add_argument("--compile", action="store_true",
@@ -64,7 +67,15 @@ def check_bench_args(args) -> list[str]:
         check_output_dir(args.out, force=args.force)
     names = parse_methods(args.methods)
     _check_selfspec_flags(args, names)
+    check_corpus_arg(args.corpus)
     return names
+
+
+def _corpus_dir(args):
+    """--corpus -> the directory the run's lookups read (auto: the one shipped for the model), or None."""
+    if args.corpus == "auto":
+        return shipped_corpus(args.model)
+    return None if args.corpus == "none" else args.corpus
 
 
 def _method_settings(args) -> dict[str, dict]:
@@ -111,11 +122,14 @@ def run_bench_cli(args) -> int:
         path = args.draft_model or shipped_draft(args.model)
         draft = load_model(str(path), dtype=args.dtype, device=args.device).model
     heads = {kind: path or shipped_heads(args.model, kind) for kind, path in _heads_flags(args).items()}
+    corpus_dir = _corpus_dir(args)
+    corpus = None if corpus_dir is None else load_corpus(corpus_dir, fingerprint=config_fingerprint(loaded.model.config))
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         methods, notes = build_methods(names, model=loaded.model, tokenizer=loaded.tokenizer, model_name=loaded.name,
                                        temperature=args.temperature, heads=heads, draft_model=draft,
-                                       settings=_method_settings(args), compile=args.compile)
+                                       settings=_method_settings(args), corpus=corpus, compile=args.compile)
+    notes["corpus"] = None if corpus_dir is None else str(corpus_dir)
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     results = run_bench(methods, prompts, lambda text: torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)]),
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -12,7 +12,8 @@ from ..backbone import Backbone, config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
-from ..shipped import HEADS_DRAFTERS
+from ..corpus import Corpus
+from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS
 from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
 
@@ -60,15 +61,19 @@ def parse_methods(spec: str | None) -> list[str]:
 # selfspec's methods: name -> (drafter, the bench flag prefix for its heads and settings, settings the method
 # pins). The flags themselves (--medusa-heads, --medusa-tree, --exit-threshold, ...) are derived from this
 # table and the drafters' declared settings (settings.DRAFTER_SETTINGS). "-heads": the same heads and tree
-# with the context lookup off (what the heads draft on their own).
+# with the lookup off (what the heads draft on their own); "-context": the lookup reads the context
+# only, never the --corpus (what the corpus adds).
 SELFSPEC_METHODS = {
     "selfspec-ar": ("none", None, {}),
     "selfspec-lookup": ("lookup", None, {}),
+    "selfspec-lookup-context": ("lookup", None, {"corpus": "none"}),
     "selfspec-early-exit": ("early-exit", "exit", {}),
     "selfspec-medusa": ("medusa", "medusa", {}),
     "selfspec-medusa-heads": ("medusa", "medusa", {"lookup": 0}),
+    "selfspec-medusa-context": ("medusa", "medusa", {"corpus": "none"}),
     "selfspec-eagle": ("eagle", "eagle", {}),
     "selfspec-eagle-heads": ("eagle", "eagle", {"lookup": 0}),
+    "selfspec-eagle-context": ("eagle", "eagle", {"corpus": "none"}),
     "selfspec-draft-model": ("draft-model", "draft", {}),
 }
 
@@ -88,6 +93,7 @@ def build_methods(
     heads: dict | None = None,
     draft_model=None,
     settings: dict | None = None,
+    corpus: Corpus | None = None,
     compile: bool = False,
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft and which settings each method used.
@@ -96,6 +102,8 @@ def build_methods(
 
     heads: drafter -> heads directory (a drafter left out runs untrained heads, with a warning).
     settings: drafter -> {setting: value} as the user gave them ("auto" for tuned or default).
+    corpus: what the lookup of the lookup, medusa and eagle methods reads where the context has no
+    match (their "-context" variants never read it).
     """
     heads, settings = heads or {}, settings or {}
     sampling = temperature > 0
@@ -208,9 +216,12 @@ def build_methods(
     def selfspec_method(name: str):
         base, variant = split_variant(name)
         drafter, _, pinned = SELFSPEC_METHODS[base]
+        pinned = dict(pinned)
+        reads_corpus = pinned.pop("corpus", None) != "none" and drafter in LOOKUP_DRAFTERS
         sm = SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name,
                                   heads=heads_for(drafter, variant) if drafter in HEADS_DRAFTERS else None,
                                   draft_model=draft_model if drafter == "draft-model" else None,
+                                  corpus=corpus if reads_corpus else None,
                                   compile=step if step is not None else False, **{**settings.get(drafter, {}), **pinned})
         key = base.removeprefix("selfspec-").replace("-", "_") + ("" if variant is None else f"@{variant}")
         for setting, value in asdict(sm.settings).items():

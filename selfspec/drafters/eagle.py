@@ -40,6 +40,7 @@ import torch
 
 from .. import cache as kv
 from ..backbone import Backbone
+from ..corpus import Corpus
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
@@ -77,7 +78,8 @@ class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, backbone: Backbone, heads: Heads, *, depth: int = 5, expand: int = 4, nodes: int = 8,
-                 threshold: float = 0.0, lookup: int = 0, dtype: torch.dtype | None = None):
+                 threshold: float = 0.0, lookup: int = 0, corpus: Corpus | None = None,
+                 dtype: torch.dtype | None = None):
         aux = tuple(heads.config.aux_layers)
         if len(aux) == 0 or not all(0 < a <= backbone.num_layers for a in aux):
             raise ValueError(f"eagle aux layers {aux} must lie between 1 and {backbone.num_layers}")
@@ -91,6 +93,7 @@ class EagleDrafter(Drafter):
         self.threshold = check_threshold(threshold)
         self.log_threshold = math.log(self.threshold) if self.threshold > 0 else -math.inf
         self.lookup = check_lookup(lookup)
+        self.corpus = corpus                           # where the lookup finds no context match (corpus.py)
         self.vocab = heads.draft_vocab                 # (V_draft,) draft id -> token id, or None
         self.capture_layers = aux
         # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
@@ -218,7 +221,7 @@ class EagleDrafter(Drafter):
             q_full = full_vocab(torch.cat(q_list), self.vocab, self.backbone.vocab_size)
             q_index = qrows[nodes]
         draft = Draft(tree=tree, tokens=tokens[nodes], q=q_full, q_index=q_index)
-        return with_lookup(draft, state, self.lookup, vocab_size=self.backbone.vocab_size)
+        return with_lookup(draft, state, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..corpus import Corpus
 from ..settings import DEFAULT_LOOKUP
 from ..tree import Path, Tree, build_tree
 from .base import DecodeState, Draft, Drafter, check_lookup
@@ -83,11 +84,15 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
-def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int) -> Draft:
+def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, corpus: Corpus | None = None) -> Draft:
     """A step's draft with up to k context tokens grafted on (unchanged when k is 0 or nothing matched).
 
-    Sampling: every new node gets a one-hot q row appended to ``draft.q`` (point mass on its token)."""
+    Where the context has no match, a ``corpus`` (the target's own earlier answers, ``corpus.py``)
+    proposes the chain instead. Sampling: every new node gets a one-hot q row appended to
+    ``draft.q`` (point mass on its token)."""
     copied = context_continuation(state.ids, k) if k else []
+    if not copied and k and corpus is not None:
+        copied = corpus.continuation(state.ids, k)
     if not copied:
         return draft
     tokens = draft.tokens
@@ -106,18 +111,21 @@ def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int) ->
 
 
 class LookupDrafter(Drafter):
-    """Proposes only the context's continuation (up to ``lookup`` tokens) as a chain."""
+    """Proposes only the context's continuation (up to ``lookup`` tokens) as a chain, or, where the
+    context has none, the ``corpus``'s."""
 
     name = "lookup"
 
-    def __init__(self, device: torch.device, lookup: int = DEFAULT_LOOKUP, *, vocab_size: int):
+    def __init__(self, device: torch.device, lookup: int = DEFAULT_LOOKUP, *, vocab_size: int,
+                 corpus: Corpus | None = None):
         if check_lookup(lookup) < 1:
             raise ValueError("the lookup drafter needs lookup >= 1 (the most context tokens it copies per step)")
         self.lookup = lookup
+        self.corpus = corpus
         self.vocab_size = vocab_size
         self.device = str(device)
         self.tree = build_tree((), self.device)
 
     def draft(self, state: DecodeState) -> Draft:
         root = Draft(tree=self.tree, tokens=torch.tensor([state.ids[-1]], device=self.device))
-        return with_lookup(root, state, self.lookup, vocab_size=self.vocab_size)
+        return with_lookup(root, state, self.lookup, vocab_size=self.vocab_size, corpus=self.corpus)

@@ -19,6 +19,7 @@ from ..tree import Tree
 from ..verify import Accepted
 from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_lookup, check_threshold, draft_head, layout,
                    pruned, row_candidates, tree_width)
+from ..corpus import Corpus
 from .lookup import with_lookup
 
 
@@ -26,7 +27,7 @@ class MedusaDrafter(Drafter):
     name = "medusa"
 
     def __init__(self, backbone: Backbone, heads: Heads, tree: Tree, threshold: float = 0.0, gate: float = 0.0,
-                 lookup: int = 0):
+                 lookup: int = 0, corpus: Corpus | None = None):
         k = heads.config.num_heads
         if tree.depth > k:
             raise ValueError(f"tree depth {tree.depth} exceeds the {k} Medusa heads: use a tree of depth <= {k}")
@@ -36,6 +37,7 @@ class MedusaDrafter(Drafter):
         self.threshold = check_threshold(threshold)
         self.gate = check_gate(gate)
         self.lookup = check_lookup(lookup)
+        self.corpus = corpus                             # where the lookup finds no context match (corpus.py)
         self.vocab = heads.draft_vocab
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.hidden: torch.Tensor | None = None          # (H,) that produced the pending token
@@ -70,7 +72,7 @@ class MedusaDrafter(Drafter):
                               vocab_size=self.backbone.vocab_size, state=state)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
         return with_lookup(Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q), state,
-                           self.lookup, vocab_size=self.backbone.vocab_size)
+                           self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         self.hidden = out.hidden[accepted.path[-1]]

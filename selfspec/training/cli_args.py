@@ -142,3 +142,17 @@ def check_training_config(config, *, resume: bool) -> None:
     if getattr(config, "mixed_precision", "auto") not in ("auto", "no", "bf16"):
         raise ValueError(f"--mixed-precision {config.mixed_precision!r}: use auto, no or bf16")
     check_output_dir(config.out, resume=resume, allowed=TRAINING_OUTPUTS)
+
+
+def check_corpus_arg(corpus: str, drafter: str | None = None) -> None:
+    """--corpus: auto, none or a corpus directory (only for drafters whose lookup reads one)."""
+    if corpus in ("auto", "none"):
+        return
+    from ..shipped import LOOKUP_DRAFTERS
+
+    if drafter is not None and drafter not in LOOKUP_DRAFTERS:
+        raise ValueError(f"--drafter {drafter} has no lookup to feed a --corpus (only {', '.join(LOOKUP_DRAFTERS)} do): "
+                         "drop --corpus")
+    from ..corpus import read_corpus_config
+
+    read_corpus_config(corpus)
