@@ -5,7 +5,7 @@
 # two-model baseline; not shipped since the EAGLE head, to keep checkpoints/ small); then tune each
 # drafter's tree by measured decoding speed. The backbone feature pass of Medusa and early exit runs
 # once (in their first command) and is shared through the on-disk cache; the EAGLE head's runs
-# inside its training steps.
+# inside its training steps. Last, the corpus of the target's own answers that the lookups read.
 #   PROMPTS=broad.jsonl PROMPTS_NC=broad-nc.jsonl scripts/train_demo_checkpoints.sh   (2-core CPU, one run after another: hours)
 # Env: THREADS (2), DATA (the three directories of gen_distill_data.sh, comma-separated, the rows stage 1
 # used), WARM_DATA (the same with all self-instruct rows).
@@ -53,7 +53,7 @@ run selfspec train-heads "${E[@]}" --init .cache/heads/smollm2-135m-eagle --data
 run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-self --data "$SELF" --loss-rows response \
     --aux-layers 2,15,27,30 --steps 300 --lr 4e-4 --warmup 20 --eval-fraction 0.005 --eval-every 100 --save-every 25 \
     --out .cache/heads/eagle-final
-run selfspec tune-tree --model smollm2-135m --heads .cache/heads/eagle-final --repeats 1 --prompts-n 8 "${T[@]}" --data "$SELF"
+run selfspec tune-tree --corpus none --model smollm2-135m --heads .cache/heads/eagle-final --repeats 1 --prompts-n 8 "${T[@]}" --data "$SELF"
 # Stage 4 (shipped): the target's own answers to broad prompts join the mix, with a small share of the
 # teacher-forced broad rows, under bfloat16 autocast. The prompts are broad.jsonl shuffled (seed 0); the
 # shipped run used the first 128 answers gen-data stored (it answers the longest prompts first): the whole
@@ -80,22 +80,26 @@ run selfspec train-heads "${E[@]}" --init .cache/heads/eagle-s4 --loss-rows resp
     --data "$SELF",.cache/data/broad-self@128,.cache/data/broad-ref@8000 --steps 700 --lr 3e-4 --warmup 20 \
     --eval-fraction 0.005 --eval-every 350 --save-every 25 --mixed-precision no --feature-dtype float32 \
     --out .cache/heads/eagle-3l
-run selfspec tune-tree --model smollm2-135m --heads .cache/heads/eagle-3l --prompts "$PROMPTS_NC" --prompts-n 8 \
+run selfspec tune-tree --corpus none --model smollm2-135m --heads .cache/heads/eagle-3l --prompts "$PROMPTS_NC" --prompts-n 8 \
     --repeats 1 "${T[@]}"
 mkdir -p "$CK/eagle" && cp .cache/heads/eagle-3l/{config.json,model.safetensors,tune-tree.json} "$CK/eagle/"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa.yaml --data "$DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-warm.yaml --data "$WARM_DATA" "${T[@]}"
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-mlp.yaml --data "$WARM_DATA" "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads .cache/heads/medusa-v4 --data "$WARM_DATA" "${T[@]}" --prompts-n 8
+run selfspec tune-tree --corpus none --model smollm2-135m --heads .cache/heads/medusa-v4 --data "$WARM_DATA" "${T[@]}" --prompts-n 8
 # Medusa stage 4 (shipped): the target's own answers to broad prompts join the mix; the tree, gate and lookup
 # stage 3's tune-tree picked are kept (not re-timed).
 run selfspec train-heads --config training/recipes/smollm2-135m-medusa-broad.yaml "${T[@]}"
 keep_decode .cache/heads/medusa-v4 .cache/heads/medusa-s4
 mkdir -p "$CK/medusa" && cp .cache/heads/medusa-s4/{config.json,model.safetensors} .cache/heads/medusa-v4/tune-tree.json "$CK/medusa/"
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit.yaml --data "$DATA" "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 6
+run selfspec tune-tree --corpus none --model smollm2-135m --heads "$CK/early-exit" --data "$DATA" "${T[@]}" --prompts-n 6
 run selfspec train-heads --config training/recipes/smollm2-135m-early-exit-layer.yaml --data "$DATA" "${T[@]}"
-run selfspec tune-tree --model smollm2-135m --heads "$LAYER" --data "$DATA" "${T[@]}" --prompts-n 4 --repeats 1
+run selfspec tune-tree --corpus none --model smollm2-135m --heads "$LAYER" --data "$DATA" "${T[@]}" --prompts-n 4 --repeats 1
 run selfspec train-draft --model smollm2-135m --layers 2 --data "$DATA" --out "$DRAFT" \
     --steps 400 --lr 5e-4 --warmup 30 --eval-every 200 --save-every 200 "${T[@]}"
+# The corpus the lookups read where the context has no match: the target's own greedy answers in the committed
+# data (no training). The tune-tree runs above predate it, hence their --corpus none.
+run selfspec build-corpus --model smollm2-135m --force --out "$CK/corpus" \
+    --data training/data/smollm2-135m-broad-self,training/data/smollm2-135m-greedy,training/data/smollm2-135m-self-instruct
 echo "=== done ($(date -u +%H:%M:%S))"

@@ -15,9 +15,10 @@ is unchanged, so output stays exactly the target's. A proposal costs no model ca
 2M tokens takes ~0.1 ms per step to query and ~1 s to index when loaded.
 
 On disk (``selfspec build-corpus``): ``config.json`` (kind "corpus", base model name and config
-fingerprint, vocabulary size, counts, sources) and ``corpus.safetensors`` with one tensor,
-``tokens``: the answers one after another, each followed by -1, as int32 (or as the int16 bit
-pattern of uint16 ids when the vocabulary fits, half the size).
+fingerprint, vocabulary size, counts, sources) and ``corpus.npz`` (numpy's compressed archive, read
+with pickling off) with one array, ``tokens``: the answers one after another, each followed by a
+separator, as uint16 when the vocabulary fits below 65,535 (the separator is 65,535) or else int32
+(the separator is -1). Token ids compress well: the demo model's 1.8M tokens take 1.4 MB.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from .io import SHARED_FILE_MODE, atomic_dir
 from .settings import CORPUS_MAX_NGRAM, CORPUS_MIN_COUNT, CORPUS_MIN_NGRAM, CORPUS_MIN_SHARE
 
 SEPARATOR = -1           # ends each answer: no n-gram or continuation crosses it
+_U16_SEPARATOR = 0xFFFF  # the separator in a uint16 file
+CORPUS_FILE = "corpus.npz"
 MAX_OCCURRENCES = 512    # votes counted per lookup (the first occurrences in corpus order)
 _MULT = np.uint64(0x9E3779B97F4A7C15)   # n-gram hash: h = h * _MULT + (token + 2), mod 2^64
 
@@ -136,14 +139,11 @@ class Corpus:
     # ------------------------------------------------------------------ files
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``directory`` whole (atomically: a failed save leaves what was there)."""
-        import torch
-        from safetensors.torch import save_file
-
-        small = self.config.vocab_size < 1 << 16     # then 0xFFFF (the separator's uint16 pattern) is no token
-        stored = self.tokens.astype(np.uint16).view(np.int16) if small else self.tokens.astype(np.int32)
+        small = self.config.vocab_size < _U16_SEPARATOR      # then 65,535 marks an answer's end, never a token
+        stored = np.where(self.tokens == SEPARATOR, _U16_SEPARATOR, self.tokens).astype(np.uint16) if small \
+            else self.tokens.astype(np.int32)
         with atomic_dir(directory) as tmp:
-            save_file({"tokens": torch.from_numpy(np.ascontiguousarray(stored))}, str(tmp / "corpus.safetensors"),
-                      metadata={"format": "uint16" if small else "int32"})
+            np.savez_compressed(tmp / CORPUS_FILE, tokens=stored)
             (tmp / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
             for f in tmp.iterdir():
                 f.chmod(SHARED_FILE_MODE)
@@ -152,8 +152,8 @@ class Corpus:
 def read_corpus_config(directory: str | os.PathLike) -> CorpusConfig:
     """The config of a corpus directory, or a one-line ValueError saying what is wrong with it."""
     path = Path(directory)
-    if not (path / "config.json").is_file() or not (path / "corpus.safetensors").is_file():
-        raise ValueError(f"{directory} is not a corpus directory (config.json and corpus.safetensors): "
+    if not (path / "config.json").is_file() or not (path / CORPUS_FILE).is_file():
+        raise ValueError(f"{directory} is not a corpus directory (config.json and {CORPUS_FILE}): "
                          "make one with `selfspec build-corpus`")
     try:
         raw = json.loads((path / "config.json").read_text())
@@ -166,19 +166,20 @@ def read_corpus_config(directory: str | os.PathLike) -> CorpusConfig:
 
 def load_corpus(directory: str | os.PathLike, *, fingerprint: str) -> Corpus:
     """Load and index a corpus directory; refuse one made for a model of another shape."""
-    from safetensors import safe_open
-
     config = read_corpus_config(directory)
     if config.base_fingerprint != fingerprint:
         raise ValueError(f"{directory} holds answers of {config.base_model!r} (config fingerprint "
                          f"{config.base_fingerprint}), not of this model ({fingerprint}): build one with "
                          "`selfspec build-corpus --model MODEL --data DIR`")
-    with safe_open(str(Path(directory) / "corpus.safetensors"), "np") as f:
-        small = f.metadata().get("format") == "uint16"
-        stored = f.get_tensor("tokens")
-    tokens = stored.view(np.uint16).astype(np.int64) if small else stored.astype(np.int64)
-    if small:
-        tokens[stored == SEPARATOR] = SEPARATOR     # 0xFFFF: the separator (such vocabularies stop below it)
+    try:
+        with np.load(Path(directory) / CORPUS_FILE, allow_pickle=False) as f:
+            stored = f["tokens"]
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise ValueError(f"{Path(directory) / CORPUS_FILE} cannot be read ({type(e).__name__}): rebuild it with "
+                         "`selfspec build-corpus`") from None
+    tokens = stored.astype(np.int64)
+    if stored.dtype == np.uint16:
+        tokens[stored == _U16_SEPARATOR] = SEPARATOR
     return Corpus(tokens, config)
 
 

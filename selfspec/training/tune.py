@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from ..backbone import Backbone, config_fingerprint
+from ..corpus import load_corpus
 from ..decode import decode
 from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..drafters.base import draft_dtype
@@ -51,9 +52,10 @@ from ..model import tune_layouts
 from ..projection import few_row_linears
 from ..sampling import SamplingParams
 from ..settings import DecodeSettings
+from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
 from ..tuned_pairs import read_pair_record, write_pair_record
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
-from .cli_args import at_least, in_unit_interval
+from .cli_args import at_least, check_corpus_arg, in_unit_interval
 from .data import read_meta
 from .losses import to_subset_ids
 from .split import Sequence, recorded_split
@@ -186,7 +188,7 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
 
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, max_new_tokens: int = 64,
               repeats: int = 2, progress: bool = True, prune: bool = True, tolerance: float = 0.05,
-              prompts: list[torch.Tensor] | None = None) -> tuple[Candidate, list[Candidate], list | None]:
+              prompts: list[torch.Tensor] | None = None, corpus=None) -> tuple[Candidate, list[Candidate], list | None]:
     """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
 
     Timing follows the bench's protocol at a finer grain (``time_drafters``). A candidate's
@@ -194,7 +196,8 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
     same prompt in the same round; ``pick`` chooses among them.
 
     Timed on ``prompts`` (token ids) when given, else on the prompts of the first ``n_prompts`` of
-    ``seqs`` (held-out sequences; Medusa also reads its rank accuracy from them).
+    ``seqs`` (held-out sequences; Medusa also reads its rank accuracy from them). ``corpus``: what the
+    candidates' lookup reads where the context has no match (``corpus.Corpus``; None: the context only).
     """
     bb = Backbone(model)
     prompts = prompts[:n_prompts] if prompts is not None else [s.ids[: s.response_start] for s in seqs[:n_prompts]]
@@ -209,10 +212,11 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 8, 
         grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g, 0) for n, g in MEDUSA_GATED] if prune else []
         grid += [(tree_from_rank_accuracy(acc_t, n), 0.0, g, k) for n, g, k in MEDUSA_LOOKUP if prune or g == 0]
         make = lambda spec, t, g, k: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t, gate=g,  # noqa: E731
-                                                   lookup=k)
+                                                   lookup=k, corpus=corpus)
     elif heads.config.kind == "eagle":
         grid = [(spec, t, 0.0, k) for spec, t, k in EAGLE_GRID if prune or t == 0]
-        make = lambda spec, t, g, k: EagleDrafter(bb, heads, **parse_dynamic_tree(spec), threshold=t, lookup=k)  # noqa: E731
+        make = lambda spec, t, g, k: EagleDrafter(bb, heads, **parse_dynamic_tree(spec), threshold=t, lookup=k,  # noqa: E731
+                                                  corpus=corpus)
     else:
         grid = [(spec, 0.0, 0.0, 0) for spec in EXIT_TREES]
         grid += [(spec, t, 0.0, 0) for spec in EXIT_PRUNED_TREES for t in EXIT_THRESHOLDS] if prune else []
@@ -296,6 +300,8 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="candidates within this fraction of the best speedup count as tied; the one verifying "
                         "the fewest rows per step wins (default 0.05)")
+    p.add_argument("--corpus", default="auto", help="medusa / eagle: the corpus the candidates' lookup reads where the "
+                   "context has no match (auto = the one shipped for the demo model, none = off)")
     p.add_argument("--recorded", action="store_true",
                    help="time nothing: choose again, with this --tolerance, from the timings recorded by the last run")
 
@@ -321,6 +327,7 @@ def check_tune_args(args) -> None:
         return
     check_model_name(args.model)
     kind = read_heads_config(args.heads).kind
+    check_corpus_arg(args.corpus, kind)
     if args.data is None and (args.prompts is None or kind == "medusa"):
         raise ValueError("pass --data, the data the heads were trained on" +
                          (" (Medusa heads read their rank accuracy from its held-out split)" if args.prompts else
@@ -350,13 +357,16 @@ def run_tune(args) -> int:
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
                    for pr in load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)]
+    corpus_dir = (shipped_corpus(args.model) if args.corpus == "auto" else None if args.corpus == "none"
+                  else args.corpus) if kind in LOOKUP_DRAFTERS else None
+    corpus = None if corpus_dir is None else load_corpus(corpus_dir, fingerprint=config_fingerprint(loaded.model.config))
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
-                                 tolerance=args.tolerance, prompts=prompts)
+                                 tolerance=args.tolerance, prompts=prompts, corpus=corpus)
     _print_candidates(cands)
     timed_on = {"prompts": Path(args.prompts).name, "n_prompts": len(prompts), "seed": args.seed} if prompts else \
         {"held_out_prompts": min(args.prompts_n, len(seqs))}
-    search = {**timed_on, "max_new_tokens": args.max_new_tokens,
+    search = {**timed_on, "corpus": None if corpus_dir is None else str(corpus_dir), "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
