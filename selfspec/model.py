@@ -210,8 +210,8 @@ class SelfSpeculativeModel:
         copied from where the context's last few tokens occurred before (0 = off; "auto" as for threshold).
         drafter="lookup" drafts only such copies (no heads; "auto" = 8). corpus: where the context has no
         match, the lookup (lookup, medusa and eagle drafters) proposes what followed the same tokens in the
-        target's own earlier answers: a directory from ``selfspec build-corpus``; "auto" takes the one
-        shipped for the demo model (none for other models), None turns it off. compile: run each verification at
+        target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
+        "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
         pay the compilation (tens of seconds on CPU). Output is unchanged either way.
         """
@@ -260,20 +260,27 @@ class SelfSpeculativeModel:
                 draft = draft_model
         elif heads is not None or draft_model is not None:
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
-        corpus_obj = None if corpus is None else load_corpus(corpus, fingerprint=config_fingerprint(model.config))
+        fp = config_fingerprint(model.config)
+        if isinstance(corpus, Corpus) and corpus.config.base_fingerprint != fp:
+            raise ValueError(f"the corpus holds answers of {corpus.config.base_model!r}, not of this model: "
+                             "build one with `selfspec build-corpus --model MODEL --data DIR`")
+        corpus_obj = corpus if corpus is None or isinstance(corpus, Corpus) else load_corpus(corpus, fingerprint=fp)
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
                    corpus=corpus_obj, compile=compile)
 
     @staticmethod
-    def _corpus_dir(corpus, drafter: str, name_or_path) -> Path | None:
-        """from_pretrained's ``corpus`` -> the directory to load (checked before any model loads), or None."""
+    def _corpus_dir(corpus, drafter: str, name_or_path) -> "Path | Corpus | None":
+        """from_pretrained's ``corpus`` -> the directory to load (checked before any model loads), a
+        ``Corpus`` given loaded, or None."""
         if corpus == "auto":
             return shipped_corpus(name_or_path) if drafter in LOOKUP_DRAFTERS else None
         if corpus is None or corpus == "none":
             return None
         if drafter not in LOOKUP_DRAFTERS:
             raise ValueError(f"corpus= feeds the lookup of the {', '.join(LOOKUP_DRAFTERS)} drafters, not {drafter!r}")
+        if isinstance(corpus, Corpus):
+            return corpus
         read_corpus_config(corpus)
         return Path(corpus)
 

@@ -211,3 +211,20 @@ def test_build_corpus_indexes_gen_data_answers(tmp_path, one_thread):
                           capture_output=True, text=True, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(json.loads(proc.stdout)["token_ids"]) == 8
+
+
+def test_from_pretrained_takes_a_corpus_directory_or_object(tmp_path, one_thread):
+    from test_bad_input import _tokenizer
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "tiny")
+    _tokenizer().save_pretrained(tmp_path / "tiny")
+    mine = _corpus([[3, 4, 5, 6]] * 2, vocab_size=model.config.vocab_size, fingerprint=config_fingerprint(model.config))
+    mine.save(tmp_path / "c")
+    for given in (tmp_path / "c", str(tmp_path / "c"), mine):
+        sm = SelfSpeculativeModel.from_pretrained(str(tmp_path / "tiny"), drafter="lookup", corpus=given, device="cpu")
+        assert sm.corpus.continuation([3, 4], 2) == [5, 6]
+    assert SelfSpeculativeModel.from_pretrained(str(tmp_path / "tiny"), drafter="lookup", corpus=None).corpus is None
+    assert SelfSpeculativeModel.from_pretrained(str(tmp_path / "tiny"), drafter="lookup").corpus is None   # auto: none shipped
+    with pytest.raises(ValueError, match="not of this model"):
+        SelfSpeculativeModel.from_pretrained(str(tmp_path / "tiny"), drafter="lookup", corpus=_corpus([[3, 4]]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def test_an_installed_package_finds_its_shipped_heads(tmp_path):
     site = tmp_path / "site"
     shutil.copytree(ROOT / "selfspec", site / "selfspec", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "checkpoints", site / "selfspec" / "checkpoints")
-    code = ("from selfspec.shipped import shipped_heads, default_drafter; "
-            "print(shipped_heads('smollm2-135m', 'medusa')); print(default_drafter('smollm2-135m'))")
+    code = ("from selfspec.shipped import CHECKPOINTS, shipped_corpus, shipped_heads, default_drafter; "
+            "print(shipped_heads('smollm2-135m', 'medusa')); print(default_drafter('smollm2-135m')); "
+            "print(shipped_corpus('smollm2-135m')); print((CHECKPOINTS / 'smollm2-135m' / 'default.json').is_file())")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == str(site / "selfspec" / "checkpoints" / "smollm2-135m" / "medusa")
-    assert out[1] != "lookup"
+    assert out[3] == "True"     # default.json travels with the package
+    assert out[1] == json.loads((ROOT / "checkpoints" / "smollm2-135m" / "default.json").read_text())["drafter"]
+    assert out[2] == str(site / "selfspec" / "checkpoints" / "smollm2-135m" / "corpus")
+    assert (Path(out[2]) / "corpus.npz").is_file()

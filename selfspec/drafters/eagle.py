@@ -27,8 +27,8 @@ with its parent's r-th largest probability instead of its own, and the tree keep
 ``expand`` best of each level (a beam, ``expand`` x ``depth`` nodes): every kept set is then
 decided by the parents' distributions alone. ``Draft.q_index`` names each node's row.
 
-With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the context
-(``lookup.with_lookup``; point-mass q rows when sampling).
+With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the context, or where it
+has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when sampling).
 """
 
 from __future__ import annotations

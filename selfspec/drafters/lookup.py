@@ -12,6 +12,10 @@ unchanged, so the output is still exactly plain greedy decoding's.
 ``LookupDrafter`` (drafter ``"lookup"``) drafts such chains alone, with no heads and no
 training: selfspec's own prompt lookup decoding.
 
+Where the context has no match, a ``Corpus`` (``corpus.py``: the target's own earlier answers)
+proposes the chain instead, by majority vote over where the last tokens occurred there; it is
+grafted the same way.
+
 Sampling too: a copied token is a draft whose q is a point mass on it (its "draw" was certain
 given the context). Rejection sampling handles that exactly: accept it with probability p(x),
 else continue from p with x removed (``verify.rejection_accept_tree``). Each copied node gets a
