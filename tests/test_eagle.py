@@ -158,6 +158,7 @@ class MarkovEagle(EagleDrafter):
     def __init__(self, table, **kw):
         self.backbone = type("BB", (), {"device": torch.device("cpu"), "vocab_size": table.shape[0]})()
         self.head, self.vocab, self.lookup, self.threshold = MarkovHead(table), None, 0, kw.pop("threshold", 0.0)
+        self.corpus = None
         self.log_threshold = torch.tensor(self.threshold).log().item() if self.threshold > 0 else -float("inf")
         self.depth, self.expand, self.nodes = kw["depth"], kw["expand"], kw["nodes"]
         self.cache, self.committed = kv.new_cache(), 0
