@@ -250,16 +250,7 @@ def test_target_cache_rows_equal_a_fresh_forward_at_every_accepted_length(step, 
         def commit(self, state, accepted, out):
             nonlocal checks
             seen.add(accepted.num_accepted)
-            fresh = KVCache()
-            ids = torch.tensor(state.ids[:-1])
-            bb.run_layers(bb.embed(ids), start=0, end=bb.num_layers, position_ids=torch.arange(len(ids))[None],
-                          attention_mask=None, cache=fresh)
-            row = state.cache
-            for layer in range(bb.num_layers):
-                k, v = row.cache.layer(layer, row.index)
-                assert k.shape[2] == len(ids)
-                torch.testing.assert_close(k, fresh.layer(layer)[0], atol=1e-5, rtol=1e-4)
-                torch.testing.assert_close(v, fresh.layer(layer)[1], atol=1e-5, rtol=1e-4)
+            _check_row_cache(bb, state)
             checks += 1
 
     drafter = Checked([p.tolist() + r for p, r in zip(prompts, ref)],

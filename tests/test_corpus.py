@@ -129,15 +129,13 @@ def test_drafters_reading_a_corpus_stay_exact_and_draft_from_it(one_thread):
     assert drafted["lookup", True] > drafted["lookup", False]
 
 
-V_SMALL, L_SEQ, N_SAMPLES = 6, 3, 3000
+N_SAMPLES = 3000
 
 
 def test_corpus_chains_keep_sampling_lossless(one_thread):
     """A copied corpus chain is a point-mass draft: sampled sequences follow the target exactly (chi-square
     against the enumerated distribution of the first 3 tokens)."""
-    import itertools
-
-    from selfspec.sampling import probs_from_logits
+    from test_eagle import L_SEQ, V_SMALL, _exact_sequences
 
     model = tiny_model("llama", vocab_size=V_SMALL)
     with torch.no_grad():
@@ -148,14 +146,7 @@ def test_corpus_chains_keep_sampling_lossless(one_thread):
     # Strong opinions after [0, 1] and after the likely tokens: chains get proposed (and partly rejected).
     answers = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [1, 2, 3, 4], [1, 2, 3, 4], [1, 5, 5, 5], [1, 5, 5, 5]]
     drafter = LookupDrafter(bb.device, lookup=3, vocab_size=V_SMALL, corpus=_corpus(answers, vocab_size=V_SMALL))
-    exact = {}
-    with torch.no_grad():
-        for seq in itertools.product(range(V_SMALL), repeat=L_SEQ):
-            prob = 1.0
-            for i in range(L_SEQ):
-                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
-                prob *= float(probs_from_logits(logits, params)[seq[i]])
-            exact[seq] = prob
+    exact = _exact_sequences(model, prompt, params)
     g = torch.Generator().manual_seed(3)
     counts, drafted = {}, 0
     for _ in range(N_SAMPLES):
