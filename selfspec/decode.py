@@ -16,6 +16,7 @@ import torch
 
 from . import cache as kv
 from .backbone import Backbone
+from .budget import VerifyCost, fit_width
 from .cache import KVCache
 from .drafters.base import DecodeState, Draft, Drafter, TargetOut
 from .sampling import SamplingParams, probs_from_logits, sample
@@ -288,6 +289,7 @@ def decode_rows(
     generator: torch.Generator | None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     step: StaticStep | None = None,
+    cost: VerifyCost | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
@@ -296,8 +298,9 @@ def decode_rows(
     per step verifies every row's tree; each row accepts, commits and stops on its own, and a
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
-    that the shapes (and the compiled graphs) never change. Returns (new tokens per row, stats
-    summed over rows)."""
+    that the shapes (and the compiled graphs) never change. With ``cost`` (greedy, several rows), each
+    step's trees are cut to the width the batch's pass is worth (``budget.fit_width``). Returns (new
+    tokens per row, stats summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
     t0 = time.perf_counter()
@@ -332,6 +335,8 @@ def decode_rows(
         rows = [states[b] for b in live]
         t1 = time.perf_counter()
         drafts = drafter.draft_rows([drafters[b] for b in live], rows)              # DRAFT
+        if cost is not None and len(live) > 1 and not params.do_sample:
+            drafts = fit_width(drafts, cost.table(len(live), drafter.max_nodes))    # (the width worth verifying)
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
@@ -340,8 +345,11 @@ def decode_rows(
         for b, a, out in zip(live, accepted, outs):
             drafters[b].commit(states[b], a, out)
         _sync(dev)
+        t3 = time.perf_counter()
+        if cost is not None and len(live) > 1:
+            cost.observe(len(live), max(d.tree.size for d in drafts), t3 - t2)
         stats.draft_s += t2 - t1
-        stats.verify_s += time.perf_counter() - t2
+        stats.verify_s += t3 - t2
         stats.target_forwards += 1
         for b, d, a, toks in zip(live, drafts, accepted, committed):
             stats.record(d.tree.depth, a.num_accepted, d.tree.size - 1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .backbone import Backbone, config_fingerprint
+from .budget import VerifyCost, verify_cost
 from .corpus import Corpus, load_corpus, read_corpus_config
 from .decode import DecodeStats, decode_rows
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
@@ -142,7 +143,7 @@ def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1) -> Non
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
-                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False):
+                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False, fit_width: bool = True):
         if corpus is not None and drafter_name not in LOOKUP_DRAFTERS:
             raise ValueError(f"a corpus feeds the lookup of the {', '.join(LOOKUP_DRAFTERS)} drafters, not {drafter_name!r}")
         self.model = model
@@ -156,6 +157,8 @@ class SelfSpeculativeModel:
         # a StaticStep given here is shared (models on one target then share its compiled graphs).
         self.step = compile if isinstance(compile, StaticStep) else (StaticStep(self.backbone) if compile else None)
         self.last_stats: DecodeStats | None = None
+        # Batches, greedy, eager: each step's trees cut to the width the batched pass is worth (budget.py).
+        self.fit_width = bool(fit_width)
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
@@ -193,7 +196,8 @@ class SelfSpeculativeModel:
     @classmethod
     def from_pretrained(cls, name_or_path, drafter: str = "auto", heads=None, exit_layer: int | None = None,
                         draft_model=None, tree="auto", dtype=None, device=None, *, num_heads: int = DEFAULT_NUM_HEADS,
-                        threshold="auto", gate="auto", lookup="auto", corpus="auto", compile: bool = False):
+                        threshold="auto", gate="auto", lookup="auto", corpus="auto", compile: bool = False,
+                        fit_width: bool = True):
         """Load a target model and attach a drafter.
 
         drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
@@ -213,7 +217,10 @@ class SelfSpeculativeModel:
         target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
         "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
-        pay the compilation (tens of seconds on CPU). Output is unchanged either way.
+        pay the compilation (tens of seconds on CPU). fit_width: with a batch of prompts (greedy, not compiled),
+        each step verifies every row's tree cut to the width the batched pass is worth: the expected tokens
+        per second, from the draft's probabilities and the pass's cost timed on this machine on first use
+        (a few seconds on a CPU, once per process); False verifies whole trees. Output is unchanged either way.
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
@@ -267,7 +274,7 @@ class SelfSpeculativeModel:
         corpus_obj = corpus if corpus is None or isinstance(corpus, Corpus) else load_corpus(corpus, fingerprint=fp)
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
-                   corpus=corpus_obj, compile=compile)
+                   corpus=corpus_obj, compile=compile, fit_width=fit_width)
 
     @staticmethod
     def _corpus_dir(corpus, drafter: str, name_or_path) -> "Path | Corpus | None":
@@ -359,7 +366,7 @@ class SelfSpeculativeModel:
         with self.linears:
             new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                     on_tokens=on_tokens, step=self.step)
+                                     on_tokens=on_tokens, step=self.step, cost=self._cost(len(prompts)))
         if streamer is not None:
             streamer.end()
         self.last_stats = stats
@@ -370,8 +377,19 @@ class SelfSpeculativeModel:
 
     def tune_layouts(self, batch: int = 1) -> None:
         """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),
-        so that no later call pays for it; decoding otherwise times each on first use, once per process."""
+        and the batched verification pass's cost at every row count up to ``batch`` (budget.py), so that
+        no later call pays for it; decoding otherwise times each on first use, once per process."""
         tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
+        cost = self._cost(batch)
+        with self.linears:
+            for rows in range(2, batch + 1) if cost is not None else ():
+                cost.table(rows, self.drafter.max_nodes)
+
+    def _cost(self, rows: int) -> VerifyCost | None:
+        """What prices a batch's verification passes for width fitting; None where it does not apply."""
+        if not self.fit_width or rows < 2 or self.step is not None or self.drafter.max_nodes < 2:
+            return None
+        return verify_cost(self.backbone)
 
     def __repr__(self) -> str:
         return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r})"

@@ -93,12 +93,24 @@ def test_batched_greedy_acceptance_on_hand_built_rows():
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, step, one_thread):
+    model, bb, prompts, ref, drafters = every_drafter(arch)
+    for drafter in drafters:
+        new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=N_NEW, eos_token_ids=set(),
+                                 generator=None, step=_step(step, bb))
+        assert new == ref, f"{arch} {drafter.name} ({step}): a row differs from its prompt decoded alone"
+        assert stats.new_tokens == N_NEW * len(prompts)
+        if isinstance(drafter, RowOracle) or (drafter.name == "draft-model" and drafter.threshold == 0):
+            assert stats.tau > 1.8, f"{arch} {drafter.name}: rows should accept deep drafts (tau {stats.tau:.2f})"
+
+
+def every_drafter(arch: str):
+    """(model, backbone, prompts, each prompt's greedy continuation alone, one drafter of every kind)."""
     model = tiny_model(arch)
     bb = Backbone(model)
     prompts = _prompts(model.config.vocab_size)
     ref = _alone(model, prompts)
     refs_full = [p.tolist() + r for p, r in zip(prompts, ref)]
-    drafters = [
+    return model, bb, prompts, ref, [
         NoDrafter(bb.device),
         LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size),
         RowOracle(refs_full, chain(4)),
@@ -111,13 +123,6 @@ def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, step, one_th
         DraftModelDrafter(truncated_copy(model, 2), build_tree(chain(3)), vocab_size=bb.vocab_size, threshold=0.3),
         EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=3, expand=2, nodes=4, lookup=4),
     ]
-    for drafter in drafters:
-        new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=N_NEW, eos_token_ids=set(),
-                                 generator=None, step=_step(step, bb))
-        assert new == ref, f"{arch} {drafter.name} ({step}): a row differs from its prompt decoded alone"
-        assert stats.new_tokens == N_NEW * len(prompts)
-        if isinstance(drafter, RowOracle) or (drafter.name == "draft-model" and drafter.threshold == 0):
-            assert stats.tau > 1.8, f"{arch} {drafter.name}: rows should accept deep drafts (tau {stats.tau:.2f})"
 
 
 @pytest.mark.parametrize("token_input", [True, False])

@@ -9,6 +9,7 @@ from ..backbone import Backbone
 from ..cache import RowView
 from ..projection import Projection
 from ..sampling import SamplingParams, pick_candidates, probs_from_logits
+from ..settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 from ..tree import Tree, build_tree, prune
 from ..verify import Accepted
 
@@ -56,6 +57,8 @@ class Draft:
     q: torch.Tensor | None = None     # (R, V) draft probs (sampling only)
     q_index: torch.Tensor | None = None  # (n,) the q row node i was drawn from; None: row depth(i) - 1
     resume: Resume | None = None
+    path_p: torch.Tensor | None = None   # (n,) each node's chance of acceptance as the draft sees it
+                                         # (its path probability; root 1); None: unknown (budget.py)
 
     def q_rows(self) -> torch.Tensor:
         """(n,) the q row each node's token was drawn from (the root's entry is unused)."""
@@ -144,6 +147,21 @@ def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
     """
     body = cand[tree.depths[1:] - 1, tree.ranks[1:]]
     return torch.cat([torch.tensor([root], device=body.device, dtype=body.dtype), body])
+
+
+def prior_path_p(tree: Tree) -> torch.Tensor:
+    """(n,) each node's chance when no draft distribution gives one: the copied-token prior by depth
+    (settings.COPY_ACCEPT_*; root 1)."""
+    d = tree.depths.to(torch.float32)
+    return torch.where(d > 0, COPY_ACCEPT_FIRST * COPY_ACCEPT_NEXT ** (d - 1).clamp(min=0), torch.ones_like(d))
+
+
+def layout_path_p(tree: Tree, conf: torch.Tensor) -> torch.Tensor:
+    """(n,) each node's path probability, from ``conf`` (R, width) laid out as ``layout`` lays out
+    candidates (node at depth d and rank r: conf[d - 1, r]); the root's is 1."""
+    c = torch.ones(tree.size, dtype=torch.float32, device=conf.device)
+    c[1:] = conf[tree.depths[1:] - 1, tree.ranks[1:]].float()
+    return (tree.ancestors.to(conf.device).float() @ c.clamp(min=1e-30).log()).exp()
 
 
 def check_threshold(threshold: float) -> float:

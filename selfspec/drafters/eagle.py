@@ -220,7 +220,7 @@ class EagleDrafter(Drafter):
         if sampling:
             q_full = full_vocab(torch.cat(q_list), self.vocab, self.backbone.vocab_size)
             q_index = qrows[nodes]
-        draft = Draft(tree=tree, tokens=tokens[nodes], q=q_full, q_index=q_index)
+        draft = Draft(tree=tree, tokens=tokens[nodes], q=q_full, q_index=q_index, path_p=scores[nodes].exp())
         return with_lookup(draft, state, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:

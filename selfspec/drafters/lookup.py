@@ -32,9 +32,9 @@ from collections.abc import Sequence
 import torch
 
 from ..corpus import Corpus
-from ..settings import DEFAULT_LOOKUP
+from ..settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT, DEFAULT_LOOKUP
 from ..tree import Path, Tree, build_tree
-from .base import DecodeState, Draft, Drafter, check_lookup
+from .base import DecodeState, Draft, Drafter, check_lookup, prior_path_p
 
 MAX_NGRAM = 3   # longest suffix looked up first, down to
 MIN_NGRAM = 2   # a single repeated token is too weak a cue: most of its continuations are wrong
@@ -88,6 +88,19 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
+def grafted_path_p(draft: Draft, tree: Tree) -> torch.Tensor:
+    """(n,) path probabilities of ``tree`` (``draft``'s tree with copied nodes appended): the draft's own
+    for its nodes (the copied-token prior where it has none), and for each copied node its parent's
+    times COPY_ACCEPT_FIRST (under the root) or COPY_ACCEPT_NEXT (settings.py)."""
+    n_old = draft.tree.size
+    old = draft.path_p.float() if draft.path_p is not None else prior_path_p(draft.tree).to(draft.tokens.device)
+    parents = tree.parents.tolist()
+    out = old.tolist() + [0.0] * (tree.size - n_old)
+    for i in range(n_old, tree.size):
+        out[i] = out[parents[i]] * (COPY_ACCEPT_FIRST if parents[i] == 0 else COPY_ACCEPT_NEXT)
+    return torch.tensor(out, device=old.device)
+
+
 def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, corpus: Corpus | None = None) -> Draft:
     """A step's draft with up to k context tokens grafted on (unchanged when k is 0 or nothing matched).
 
@@ -103,15 +116,16 @@ def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, co
     paths, merged = graft(draft.tree.paths, tokens.tolist(), copied)
     tree = build_tree(paths, str(tokens.device))
     merged = torch.tensor(merged, device=tokens.device)
+    path_p = grafted_path_p(draft, tree)
     if not state.params.do_sample:
-        return Draft(tree=tree, tokens=merged, resume=draft.resume)
+        return Draft(tree=tree, tokens=merged, resume=draft.resume, path_p=path_p)
     n_old, n_new = draft.tree.size, tree.size - draft.tree.size
     q_old = draft.q if draft.q is not None else torch.zeros(0, vocab_size, device=tokens.device)
     point = torch.zeros(n_new, vocab_size, dtype=q_old.dtype, device=q_old.device)
     point[torch.arange(n_new), merged[n_old:].to(q_old.device)] = 1.0
     rows = torch.cat([draft.q_rows().to(tokens.device),
                       q_old.shape[0] + torch.arange(n_new, device=tokens.device)])
-    return Draft(tree=tree, tokens=merged, q=torch.cat([q_old, point]), q_index=rows, resume=draft.resume)
+    return Draft(tree=tree, tokens=merged, q=torch.cat([q_old, point]), q_index=rows, resume=draft.resume, path_p=path_p)
 
 
 class LookupDrafter(Drafter):

@@ -18,7 +18,7 @@ from ..heads import Heads
 from ..tree import Tree
 from ..verify import Accepted
 from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_lookup, check_threshold, draft_head, layout,
-                   pruned, row_candidates, tree_width)
+                   layout_path_p, pruned, row_candidates, tree_width)
 from ..corpus import Corpus
 from .lookup import with_lookup
 
@@ -71,7 +71,9 @@ class MedusaDrafter(Drafter):
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
                               vocab_size=self.backbone.vocab_size, state=state)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
-        return with_lookup(Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q), state,
+        draft = Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q,
+                      path_p=layout_path_p(tree, cand.conf))
+        return with_lookup(draft, state,
                            self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:

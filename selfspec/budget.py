@@ -1,0 +1,185 @@
+"""Width fitting: how many tree nodes per row one batched verification pass is worth.
+
+A batched pass verifies every row's tree padded to the largest (``decode.verify_rows``), so one row
+with a long lookup chain makes every row pay for that width. On a GPU a pass of a few tokens per
+row costs about what one costs; on a CPU the cost climbs with the width (2-core CPU, demo model, 8
+rows: width 2 costs 1.5x width 1, width 9 2.3x), and verifying whole trees at batch 8 ran at 0.67x
+of decoding without drafts.
+
+So, at batch > 1, each greedy step picks the width w that maximises the batch's expected tokens
+per second: sum over rows of (1 + the w - 1 likeliest nodes' chances) / the pass's measured cost at
+w, and cuts every row's tree to its w - 1 likeliest nodes (w = 1: a plain step). A node's chance
+is its path probability under the draft (``Draft.path_p``), or for copied tokens the measured
+prior of ``settings.COPY_ACCEPT_*``. Cutting a draft never changes which tokens greedy acceptance
+commits, only how many come per step; sampling is left alone (whether a node is proposed must not
+depend on what was drawn), and so are drafts whose drafter already ran part of the target on them
+(early exit's ``Resume``).
+
+The costs come from timing the pass itself on this machine (``VerifyCost``): once per process and
+model, at the batch sizes met, a few seconds on a 2-core CPU for the demo model (the bench does it
+before timing anything, as it does the product layouts).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+
+import torch
+
+from .backbone import Backbone
+from .cache import KVCache
+from .drafters.base import Draft, prior_path_p
+from .tree import tree_from_parents
+
+
+def path_p(draft: Draft) -> torch.Tensor:
+    """(n,) the draft's estimate of each node's chance of being accepted (root 1)."""
+    return draft.path_p.float().cpu() if draft.path_p is not None else prior_path_p(draft.tree).cpu()
+
+
+def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
+    """The width w (1 .. len(cost)) maximising sum_b (1 + the w - 1 largest of chances[b]) / cost[w - 1].
+
+    chances[b]: row b's node chances, root excluded; cost[w - 1]: seconds of a pass at width w.
+    A pure function; ties go to the narrower width."""
+    top = max((c.numel() for c in chances), default=0)
+    widest = min(top + 1, len(cost))
+    gain = torch.zeros(widest)   # gain[w - 1]: expected tokens of the batch at width w
+    for c in chances:
+        s = torch.sort(c, descending=True).values[: widest - 1].cumsum(0)
+        gain[1: 1 + s.numel()] += s
+        gain[1 + s.numel():] += s[-1] if s.numel() else 0.0
+    gain += len(chances)
+    rate = gain / torch.tensor(cost[:widest], dtype=torch.float32)
+    return int(torch.argmax(rate)) + 1   # argmax returns the first maximum: the narrowest
+
+
+def trim(draft: Draft, width: int) -> Draft:
+    """``draft`` cut to the root and its ``width - 1`` likeliest nodes (ties: earlier node first).
+
+    A node's chance never exceeds its parent's, and a parent comes first, so the kept set is a tree."""
+    n = draft.tree.size
+    if n <= width or draft.resume is not None:
+        return draft
+    p = path_p(draft)
+    order = sorted(range(1, n), key=lambda i: (-float(p[i]), i))[: width - 1]
+    keep = torch.tensor([0] + sorted(order), dtype=torch.long)
+    new_id = torch.full((n,), -1, dtype=torch.long)
+    new_id[keep] = torch.arange(keep.numel())
+    old = draft.tree
+    dev = old.parents.device
+    parents = torch.cat([torch.tensor([-1]), new_id[old.parents.cpu()[keep[1:]]]])
+    if bool((parents[1:] < 0).any()):
+        raise AssertionError("a kept node's parent was cut: path_p must not rise along a path")
+    kd = keep.to(dev)
+    tree = tree_from_parents(parents.to(dev), old.ranks[kd], max_depth=int(old.depths[kd].max()))
+    return Draft(tree=tree, tokens=draft.tokens[keep.to(draft.tokens.device)],
+                 q=draft.q, q_index=None if draft.q is None else draft.q_rows()[keep.to(draft.q.device)],
+                 path_p=None if draft.path_p is None else draft.path_p[keep.to(draft.path_p.device)])
+
+
+def fit_width(drafts: list[Draft], cost: list[float]) -> list[Draft]:
+    """Every row's draft cut to the batch's best width (``best_width``)."""
+    w = best_width([path_p(d)[1:] for d in drafts], cost)
+    return [trim(d, w) for d in drafts]
+
+
+class VerifyCost:
+    """Seconds of one batched step (verify, accept, commit) on this machine, by rows and width (nodes per row).
+
+    A prior, timed on first need at power-of-two row counts (interpolated between them) and at
+    widths 1, 2, 3, 4, 6, 8, 12, 16, ... up to the drafter's widest tree (interpolated), on a scratch
+    cache of ``context`` positions per row (the median of ``sweeps`` interleaved sweeps); then what
+    decoding's own steps measure (``observe``) replaces it where seen, and rescales it where not (a
+    real context is longer than the scratch one, and a step does more than its pass). A curve that
+    dips (a CPU BLAS can run 6 rows faster than 3) is flattened: a wider pass is never assumed cheaper."""
+
+    SMOOTHING = 0.3   # weight of the newest observation in a (rows, width)'s running estimate
+
+    def __init__(self, backbone: Backbone, *, context: int = 32, sweeps: int = 3):
+        self.backbone = backbone
+        self.context = context
+        self.sweeps = sweeps
+        self._timed: dict[int, dict[int, float]] = {}       # rows -> {width: seconds}, the prior
+        self._seen: dict[tuple[int, int], float] = {}        # (rows, width) -> running estimate of a real step
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A decoding step of ``rows`` rows at ``width`` took ``seconds``."""
+        old = self._seen.get((rows, width))
+        self._seen[rows, width] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+
+    def table(self, rows: int, width: int) -> list[float]:
+        """cost[w - 1] for w = 1 .. width at ``rows`` rows."""
+        lo = 1 << (rows.bit_length() - 1)
+        hi = lo if lo == rows else lo * 2
+        a, b = self._curve(lo, width), self._curve(hi, width)
+        f = 0.0 if hi == lo else (rows - lo) / (hi - lo)
+        prior = [x + f * (y - x) for x, y in zip(a, b)]
+        seen = {w: self._seen[rows, w] for w in range(1, width + 1) if (rows, w) in self._seen}
+        scale = statistics.median(seen[w] / prior[w - 1] for w in seen) if seen else 1.0
+        return _flattened([seen.get(w, scale * prior[w - 1]) for w in range(1, width + 1)])
+
+    def _curve(self, rows: int, width: int) -> list[float]:
+        timed = self._timed.get(rows, {})
+        if max(timed, default=0) < width:
+            timed = self._timed[rows] = self._time(rows, width)
+        ws = sorted(timed)
+        out = []
+        for w in range(1, width + 1):
+            j = next(i for i, x in enumerate(ws) if x >= w)
+            if ws[j] == w:
+                out.append(timed[w])
+            else:
+                w0, w1 = ws[j - 1], ws[j]
+                out.append(timed[w0] + (w - w0) / (w1 - w0) * (timed[w1] - timed[w0]))
+        return _flattened(out)
+
+    @torch.no_grad()
+    def _time(self, rows: int, width: int) -> dict[int, float]:
+        from .decode import _sync, prefill_rows, verify_rows   # decode imports this module
+
+        bb, dev = self.backbone, self.backbone.device
+        widths = sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if w < width} | {width})
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, bb.vocab_size, (self.context,), generator=gen).to(dev) for _ in range(rows)]
+        cache = KVCache(rows)
+        prefill_rows(bb, cache, prompts)
+        pasts = [self.context] * rows
+        empty = [torch.zeros(0, dtype=torch.long)] * rows
+        drafts = {}
+        for w in widths:
+            parents = torch.arange(-1, w - 1, device=dev)   # a chain: the mask's shape is what matters
+            tree = tree_from_parents(parents, torch.zeros(w, dtype=torch.long, device=dev), max_depth=w - 1)
+            drafts[w] = [Draft(tree=tree, tokens=torch.randint(1, bb.vocab_size, (w,), generator=gen).to(dev))] * rows
+        seconds: dict[int, list[float]] = {w: [] for w in widths}
+        for _ in range(self.sweeps):
+            for w in widths:
+                _sync(dev)
+                t = time.perf_counter()
+                verify_rows(bb, cache, pasts, drafts[w])
+                _sync(dev)
+                seconds[w].append(time.perf_counter() - t)
+                cache.keep(pasts, empty)
+        return {w: statistics.median(s) for w, s in seconds.items()}
+
+
+def _flattened(costs: list[float]) -> list[float]:
+    """Running maximum: a wider pass is never assumed cheaper than a narrower one."""
+    out, high = [], 0.0
+    for c in costs:
+        high = max(high, c)
+        out.append(high)
+    return out
+
+
+_COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, VerifyCost]" = weakref.WeakKeyDictionary()
+
+
+def verify_cost(backbone: Backbone) -> VerifyCost:
+    """The process's ``VerifyCost`` for this target (shared by every model object built on it)."""
+    cost = _COSTS.get(backbone.model)
+    if cost is None:
+        cost = _COSTS[backbone.model] = VerifyCost(backbone)
+    return cost

@@ -1,0 +1,157 @@
+"""Width fitting (budget.py): at batch > 1, each greedy step cuts every row's tree to the width the
+batched pass is worth. Pure choices on hand-built numbers, the cut trees, the cost table, and the
+master property: whatever width is chosen, every row is still exactly its prompt decoded alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.backbone import Backbone
+from selfspec.budget import VerifyCost, best_width, path_p, trim
+from selfspec.decode import decode_rows
+from selfspec.drafters import LookupDrafter
+from selfspec.drafters.base import DecodeState, Draft, Resume, layout_path_p, prior_path_p
+from selfspec.drafters.lookup import with_lookup
+from selfspec.model import SelfSpeculativeModel
+from selfspec.sampling import SamplingParams
+from selfspec.settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
+from selfspec.tree import build_tree, chain
+from test_batch import GREEDY, N_NEW, RowOracle, _alone, _prompts, every_drafter
+
+
+def test_best_width_weighs_expected_tokens_against_cost():
+    rows = [torch.tensor([0.9, 0.8, 0.1]), torch.tensor([]), torch.tensor([0.5])]
+    # Expected tokens by width: 3, 3 + 0.9 + 0.5 = 4.4, 4.4 + 0.8 = 5.2, 5.3.
+    assert best_width(rows, [1.0, 1.1, 1.2, 1.3]) == 3       # 4.4/1.1 = 4.0 < 5.2/1.2 = 4.33 > 5.3/1.3
+    assert best_width(rows, [1.0, 1.5, 2.0, 2.5]) == 1       # drafting costs more than it brings
+    assert best_width(rows, [1.0, 1.0, 1.0, 1.0]) == 4       # free width: take it all
+    assert best_width(rows, [1.0, 1.0]) == 2                 # never wider than the table
+    assert best_width([torch.tensor([])] * 2, [1.0, 1.0, 1.0]) == 1   # nothing drafted
+    # a tie goes to the narrower width
+    assert best_width([torch.tensor([1.0])], [1.0, 2.0]) == 1
+
+
+def test_trim_keeps_the_likeliest_nodes_as_a_tree():
+    tree = build_tree(((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
+    p = torch.tensor([1.0, 0.5, 0.45, 0.4, 0.44, 0.3])   # node 4 (under 2) outranks node 3 (under 1)
+    draft = Draft(tree=tree, tokens=torch.tensor([10, 11, 12, 13, 14, 15]), path_p=p)
+    cut = trim(draft, 4)
+    assert cut.tokens.tolist() == [10, 11, 12, 14]
+    assert cut.tree.paths == ((0,), (1,), (1, 0))
+    assert cut.tree.parents.tolist() == [-1, 0, 0, 2]
+    assert torch.equal(cut.path_p, p[[0, 1, 2, 4]])
+    assert trim(draft, 1).tree.size == 1 and trim(draft, 1).tokens.tolist() == [10]
+    assert trim(draft, 6) is draft and trim(draft, 9) is draft
+    resumed = Draft(tree=tree, tokens=draft.tokens, resume=Resume(layer=1, hidden=torch.zeros(1, 2, 4)))
+    assert trim(resumed, 2) is resumed   # early exit's layers < E already ran on these nodes: never cut
+
+
+def test_trim_breaks_ties_by_node_order_so_parents_stay():
+    tree = build_tree(chain(4))
+    draft = Draft(tree=tree, tokens=torch.arange(5), path_p=torch.tensor([1.0, 0.5, 0.5, 0.5, 0.5]))
+    assert trim(draft, 3).tokens.tolist() == [0, 1, 2]
+
+
+def test_nodes_without_probabilities_get_the_copy_prior_and_copies_extend_the_draft_s_own():
+    tree = build_tree(((0,), (0, 0), (1,)))
+    prior = prior_path_p(tree).tolist()
+    assert prior == pytest.approx([1.0, COPY_ACCEPT_FIRST, COPY_ACCEPT_FIRST * COPY_ACCEPT_NEXT, COPY_ACCEPT_FIRST])
+    conf = torch.tensor([[0.9, 0.05], [0.5, 0.1]])   # (depth, rank) as a Medusa layout holds them
+    assert layout_path_p(tree, conf).tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05])
+    # The context ends in "7 8" as it began; what followed then, 9 4, grafts under the rank-0 node (token 9).
+    state = DecodeState(ids=[7, 8, 9, 4, 7, 8], cache=None, params=GREEDY, generator=None)
+    draft = Draft(tree=tree, tokens=torch.tensor([8, 9, 3, 5]), path_p=layout_path_p(tree, conf))
+    grafted = with_lookup(draft, state, 2, vocab_size=20)
+    assert grafted.tokens.tolist() == [8, 9, 3, 5, 4]
+    assert grafted.path_p.tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05, 0.9 * COPY_ACCEPT_NEXT])
+    assert path_p(Draft(tree=tree, tokens=torch.arange(4))).tolist() == pytest.approx(prior)
+
+
+class _Timed(VerifyCost):
+    """A VerifyCost whose prior is a formula instead of a timing (rows r, width w: r + w seconds)."""
+
+    def __init__(self):
+        super().__init__(backbone=None)
+        self.timings = []
+
+    def _time(self, rows, width):
+        self.timings.append((rows, width))
+        return {w: float(rows + w) for w in (1, 2, 4, width)}
+
+
+def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
+    cost = _Timed()
+    assert cost.table(4, 5) == pytest.approx([5, 6, 7, 8, 9])          # width 3 interpolated
+    assert cost.table(3, 5) == pytest.approx([4, 5, 6, 7, 8])          # rows 3: between 2 and 4
+    assert sorted(cost.timings) == [(2, 5), (4, 5)]                     # each row count timed once
+    cost._timed[4][4] = 5.5                                            # a dip (width 4 cheaper than 2) is flattened
+    assert cost.table(4, 5) == pytest.approx([5, 6, 6, 6, 9])
+    cost.observe(4, 1, 10.0)                                           # real steps: twice the prior at width 1
+    assert cost.table(4, 5) == pytest.approx([10, 12, 12, 12, 18])
+    cost.observe(4, 5, 12.0)                                           # a seen width replaces the prior, and the
+    scale = (2.0 + 12.0 / 9.0) / 2                                     # median ratio seen/prior rescales the rest
+    assert cost.table(4, 5) == pytest.approx([10, 6 * scale, 6 * scale, 6 * scale, 12])
+    cost.observe(4, 5, 22.0)                                           # a running estimate, not the last value
+    assert cost.table(4, 5)[4] == pytest.approx(12.0 + VerifyCost.SMOOTHING * 10.0)
+    assert cost.table(2, 5)[0] == pytest.approx(3.0)                   # other row counts keep their own prior
+
+
+class _Cycling:
+    """A cost table whose steepness cycles, so that steps choose every width from 1 up."""
+
+    def __init__(self):
+        self.calls, self.seen = 0, []
+
+    def table(self, rows, width):
+        self.calls += 1
+        slope = (0.0, 0.3, 1.0, 5.0)[self.calls % 4]
+        return [1.0 + slope * (w - 1) for w in range(1, width + 1)]
+
+    def observe(self, rows, width, seconds):
+        self.seen.append(width)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_every_row_stays_exact_whatever_width_a_step_is_cut_to(arch, one_thread):
+    model, bb, prompts, ref, drafters = every_drafter(arch)
+    for drafter in drafters:
+        cost = _Cycling()
+        new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=N_NEW, eos_token_ids=set(),
+                             generator=None, cost=cost)
+        assert new == ref, f"{arch} {drafter.name}: a row differs from its prompt decoded alone"
+        assert cost.calls > 0
+        if drafter.name == "early-exit":
+            assert len(set(cost.seen)) == 1, "early exit's drafts (layers < E already run) must never be cut"
+        else:
+            assert 1 in cost.seen, f"{drafter.name}: no step was cut to a plain one"
+        if isinstance(drafter, RowOracle) and drafter.tree.size > 5:
+            assert len(set(cost.seen)) >= 3, f"the cut widths should vary (saw {sorted(set(cost.seen))})"
+
+
+def test_sampling_and_single_rows_are_never_cut(one_thread):
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size)
+    cost = _Cycling()
+    decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts,
+                params=SamplingParams(do_sample=True, temperature=0.8), max_new_tokens=8, eos_token_ids=set(),
+                generator=torch.Generator().manual_seed(0), cost=cost)
+    decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts[:1], params=GREEDY,
+                max_new_tokens=8, eos_token_ids=set(), generator=None, cost=cost)
+    assert cost.calls == 0
+
+
+def test_generate_fits_batches_with_costs_timed_on_this_machine(one_thread):
+    """End to end: a batch through ``generate`` times the pass (real VerifyCost), cuts trees, and every
+    row matches its prompt alone; ``fit_width=False`` verifies whole trees, with the same output."""
+    model = tiny_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    ref = _alone(model, prompts)
+    for fit in (True, False):
+        sm = SelfSpeculativeModel(model, None, drafter_name="lookup", heads=None, name="t", lookup=4, fit_width=fit)
+        out = sm.generate(list(prompts), max_new_tokens=N_NEW, pad_token_id=0)
+        width = out.shape[1] - N_NEW
+        assert [row[width:].tolist() for row in out] == ref
+        assert (sm._cost(len(prompts)) is not None) == fit
