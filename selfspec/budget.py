@@ -1,13 +1,14 @@
-"""Width fitting: how many tree nodes per row one batched verification pass is worth.
+"""Width fitting: how many tree nodes per row one verification pass is worth.
 
 A batched pass verifies every row's tree padded to the largest (``decode.verify_rows``), so one row
 with a long lookup chain makes every row pay for that width. On a GPU a pass of a few tokens per
 row costs about what one costs; on a CPU the cost climbs with the width (2-core CPU, demo model, 8
-rows: width 2 costs 1.5x width 1, width 9 2.3x), and verifying whole trees at batch 8 ran at 0.67x
-of decoding without drafts.
+rows: width 2 costs 1.5x width 1, width 9 2.3x; one row: width 2 1.5x, width 9 1.7x), and verifying
+whole trees at batch 8 ran at 0.67x of decoding without drafts. Trees and thresholds are tuned once
+(``tune-tree``), on one machine; the cost curve is the machine's own.
 
-So, at batch > 1, each greedy step picks the width w that maximises the batch's expected tokens
-per second: sum over rows of (1 + the w - 1 likeliest nodes' chances) / the pass's measured cost at
+So each greedy step picks the width w that maximises the batch's expected tokens per second
+(a batch of one included): sum over rows of (1 + the w - 1 likeliest nodes' chances) / the pass's measured cost at
 w, and cuts every row's tree to its w - 1 likeliest nodes (w = 1: a plain step). A node's chance
 is its path probability under the draft (``Draft.path_p``), or for copied tokens the measured
 prior of ``settings.COPY_ACCEPT_*``. Cutting a draft never changes which tokens greedy acceptance
@@ -15,9 +16,10 @@ commits, only how many come per step; sampling is left alone (whether a node is 
 depend on what was drawn), and so are drafts whose drafter already ran part of the target on them
 (early exit's ``Resume``).
 
-The costs come from timing the pass itself on this machine (``VerifyCost``): once per process and
-model, at the batch sizes met, a few seconds on a 2-core CPU for the demo model (the bench does it
-before timing anything, as it does the product layouts).
+The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
+and the widest, once per process and model at the batch sizes met (about a second on a 2-core CPU for
+the demo model; the bench does it before timing anything, as it does the product layouts), then what
+decoding's own steps measure.
 """
 
 from __future__ import annotations
@@ -90,20 +92,27 @@ class VerifyCost:
     """Seconds of one batched step (verify, accept, commit) on this machine, by rows and width (nodes per row).
 
     A prior, timed on first need at power-of-two row counts (interpolated between them) and at
-    widths 1, 2, 3, 4, 6, 8, 12, 16, ... up to the drafter's widest tree (interpolated), on a scratch
-    cache of ``context`` positions per row (the median of ``sweeps`` interleaved sweeps); then what
+    widths 1, 2 and the drafter's widest tree (interpolated between: most steps choose among the
+    narrow widths, and a real step's cost replaces a guess), on a scratch cache of ``context``
+    positions per row (the median of ``sweeps`` interleaved sweeps); then what
     decoding's own steps measure (``observe``) replaces it where seen, and rescales it where not (a
     real context is longer than the scratch one, and a step does more than its pass). A curve that
     dips (a CPU BLAS can run 6 rows faster than 3) is flattened: a wider pass is never assumed cheaper."""
 
     SMOOTHING = 0.3   # weight of the newest observation in a (rows, width)'s running estimate
 
-    def __init__(self, backbone: Backbone, *, context: int = 32, sweeps: int = 3):
+    def __init__(self, backbone: Backbone, *, context: int = 32, sweeps: int = 3, widths: tuple[int, ...] = (1, 2)):
         self.backbone = backbone
         self.context = context
         self.sweeps = sweeps
+        self.widths = widths                                 # timed for the prior, with the widest
         self._timed: dict[int, dict[int, float]] = {}       # rows -> {width: seconds}, the prior
         self._seen: dict[tuple[int, int], float] = {}        # (rows, width) -> running estimate of a real step
+
+    @property
+    def observed(self) -> dict[tuple[int, int], float]:
+        """(rows, width) -> the running estimate of a real step's seconds, for every pair seen."""
+        return dict(self._seen)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A decoding step of ``rows`` rows at ``width`` took ``seconds``."""
@@ -141,7 +150,7 @@ class VerifyCost:
         from .decode import _sync, prefill_rows, verify_rows   # decode imports this module
 
         bb, dev = self.backbone, self.backbone.device
-        widths = sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if w < width} | {width})
+        widths = sorted({w for w in self.widths if w < width} | {width})
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, bb.vocab_size, (self.context,), generator=gen).to(dev) for _ in range(rows)]
         cache = KVCache(rows)

@@ -13,7 +13,6 @@ prompts from ``selfspec eval-heads --json``; tau and speed from a ``selfspec ben
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path

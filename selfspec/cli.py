@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import __version__
 from .io import prompt_ids
-from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter, shipped_draft
+from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
 from .settings import CORPUS_HELP
 from .training.cli_args import at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling
 

@@ -298,9 +298,9 @@ def decode_rows(
     per step verifies every row's tree; each row accepts, commits and stops on its own, and a
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
-    that the shapes (and the compiled graphs) never change. With ``cost`` (greedy, several rows), each
-    step's trees are cut to the width the batch's pass is worth (``budget.fit_width``). Returns (new
-    tokens per row, stats summed over rows)."""
+    that the shapes (and the compiled graphs) never change. With ``cost`` (greedy), each step's trees
+    are cut to the width the step's pass is worth (``budget.fit_width``). Returns (new tokens per row,
+    stats summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
     t0 = time.perf_counter()
@@ -335,7 +335,7 @@ def decode_rows(
         rows = [states[b] for b in live]
         t1 = time.perf_counter()
         drafts = drafter.draft_rows([drafters[b] for b in live], rows)              # DRAFT
-        if cost is not None and len(live) > 1 and not params.do_sample:
+        if cost is not None and not params.do_sample:
             drafts = fit_width(drafts, cost.table(len(live), drafter.max_nodes))    # (the width worth verifying)
         _sync(dev)
         t2 = time.perf_counter()
@@ -346,7 +346,7 @@ def decode_rows(
             drafters[b].commit(states[b], a, out)
         _sync(dev)
         t3 = time.perf_counter()
-        if cost is not None and len(live) > 1:
+        if cost is not None:
             cost.observe(len(live), max(d.tree.size for d in drafts), t3 - t2)
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
@@ -367,10 +367,11 @@ def decode_rows(
 
 def decode(backbone: Backbone, drafter: Drafter, prompt: torch.Tensor, *, params: SamplingParams, max_new_tokens: int,
            eos_token_ids: set[int], generator: torch.Generator | None,
-           on_tokens: Callable[[list[int]], None] | None = None) -> tuple[list[int], DecodeStats]:
+           on_tokens: Callable[[list[int]], None] | None = None, cost: VerifyCost | None = None
+           ) -> tuple[list[int], DecodeStats]:
     """One prompt (n,): ``decode_rows`` with a batch of one. Returns (new tokens, stats)."""
     rows, stats = decode_rows(backbone, drafter, [prompt], params=params, max_new_tokens=max_new_tokens,
-                              eos_token_ids=eos_token_ids, generator=generator,
+                              eos_token_ids=eos_token_ids, generator=generator, cost=cost,
                               on_tokens=None if on_tokens is None else (lambda _b, toks: on_tokens(toks)))
     return rows[0], stats
 

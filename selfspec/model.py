@@ -157,7 +157,7 @@ class SelfSpeculativeModel:
         # a StaticStep given here is shared (models on one target then share its compiled graphs).
         self.step = compile if isinstance(compile, StaticStep) else (StaticStep(self.backbone) if compile else None)
         self.last_stats: DecodeStats | None = None
-        # Batches, greedy, eager: each step's trees cut to the width the batched pass is worth (budget.py).
+        # Greedy, eager: each step's trees cut to the width the (batched) pass is worth (budget.py).
         self.fit_width = bool(fit_width)
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
@@ -217,10 +217,11 @@ class SelfSpeculativeModel:
         target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
         "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
-        pay the compilation (tens of seconds on CPU). fit_width: with a batch of prompts (greedy, not compiled),
-        each step verifies every row's tree cut to the width the batched pass is worth: the expected tokens
-        per second, from the draft's probabilities and the pass's cost timed on this machine on first use
-        (a few seconds on a CPU, once per process); False verifies whole trees. Output is unchanged either way.
+        pay the compilation (tens of seconds on CPU). fit_width: greedy and not compiled, each step verifies
+        every row's tree cut to the width the pass is worth: the most expected tokens per second, from the
+        draft's probabilities and the pass's cost on this machine (timed on first use, about a second on a
+        CPU, once per process, then learned from the steps); False verifies whole trees. Output is
+        unchanged either way.
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
@@ -377,17 +378,17 @@ class SelfSpeculativeModel:
 
     def tune_layouts(self, batch: int = 1) -> None:
         """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),
-        and the batched verification pass's cost at every row count up to ``batch`` (budget.py), so that
+        and the verification pass's cost at every row count up to ``batch`` (budget.py), so that
         no later call pays for it; decoding otherwise times each on first use, once per process."""
         tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
         cost = self._cost(batch)
         with self.linears:
-            for rows in range(2, batch + 1) if cost is not None else ():
+            for rows in range(1, batch + 1) if cost is not None else ():
                 cost.table(rows, self.drafter.max_nodes)
 
     def _cost(self, rows: int) -> VerifyCost | None:
         """What prices a batch's verification passes for width fitting; None where it does not apply."""
-        if not self.fit_width or rows < 2 or self.step is not None or self.drafter.max_nodes < 2:
+        if not self.fit_width or rows < 1 or self.step is not None or self.drafter.max_nodes < 2:
             return None
         return verify_cost(self.backbone)
 

@@ -1,5 +1,5 @@
-"""Width fitting (budget.py): at batch > 1, each greedy step cuts every row's tree to the width the
-batched pass is worth. Pure choices on hand-built numbers, the cut trees, the cost table, and the
+"""Width fitting (budget.py): each greedy step cuts every row's tree to the width the (batched) pass
+is worth. Pure choices on hand-built numbers, the cut trees, the cost table, and the
 master property: whatever width is chosen, every row is still exactly its prompt decoded alone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from selfspec.backbone import Backbone
-from selfspec.budget import VerifyCost, best_width, path_p, trim
+from selfspec.budget import VerifyCost, best_width, path_p, trim, verify_cost
 from selfspec.decode import decode_rows
 from selfspec.drafters import LookupDrafter
 from selfspec.drafters.base import DecodeState, Draft, Resume, layout_path_p, prior_path_p
@@ -130,17 +130,20 @@ def test_every_row_stays_exact_whatever_width_a_step_is_cut_to(arch, one_thread)
             assert len(set(cost.seen)) >= 3, f"the cut widths should vary (saw {sorted(set(cost.seen))})"
 
 
-def test_sampling_and_single_rows_are_never_cut(one_thread):
+def test_a_single_row_is_fitted_too_and_sampling_never(one_thread):
     model = tiny_model("llama")
     bb = Backbone(model)
     prompts = _prompts(model.config.vocab_size)
+    ref = _alone(model, prompts[:1])
+    cost = _Cycling()
+    new, _ = decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts[:1], params=GREEDY,
+                         max_new_tokens=N_NEW, eos_token_ids=set(), generator=None, cost=cost)
+    assert new == ref and cost.calls > 0
     cost = _Cycling()
     decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts,
                 params=SamplingParams(do_sample=True, temperature=0.8), max_new_tokens=8, eos_token_ids=set(),
                 generator=torch.Generator().manual_seed(0), cost=cost)
-    decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts[:1], params=GREEDY,
-                max_new_tokens=8, eos_token_ids=set(), generator=None, cost=cost)
-    assert cost.calls == 0
+    assert cost.calls == 0   # whether a node is proposed must not depend on what was drawn
 
 
 def test_generate_fits_batches_with_costs_timed_on_this_machine(one_thread):
@@ -155,3 +158,5 @@ def test_generate_fits_batches_with_costs_timed_on_this_machine(one_thread):
         width = out.shape[1] - N_NEW
         assert [row[width:].tolist() for row in out] == ref
         assert (sm._cost(len(prompts)) is not None) == fit
+    observed = verify_cost(sm.backbone).observed
+    assert max(rows for rows, _ in observed) == len(prompts)   # the fitted run's steps taught the table

@@ -31,11 +31,11 @@ ALIASES = {"hf-greedy": BASELINE}
 ALL_METHODS = (BASELINE, "hf-static", "hf-assisted", "hf-assisted-bf16", "hf-early-exit", "hf-prompt-lookup",
                "selfspec-ar", "selfspec-lookup", "selfspec-lookup-context", "selfspec-early-exit", "selfspec-medusa",
                "selfspec-medusa-heads", "selfspec-medusa-context", "selfspec-eagle", "selfspec-eagle-heads",
-               "selfspec-eagle-context", "selfspec-lookup-padded", "selfspec-medusa-padded", "selfspec-eagle-padded",
+               "selfspec-eagle-context", "selfspec-lookup-whole", "selfspec-medusa-whole", "selfspec-eagle-whole",
                "selfspec-draft-model")
 # "-heads": the same heads and tree with the lookup off (what the heads draft on their own);
 # "-context": the lookup reads the context only, no corpus (what the corpus adds, in one run);
-# "-padded": batches verify whole trees, padded to the widest (no width fitting, budget.py).
+# "-whole": every step verifies whole trees (no width fitting, budget.py).
 # Methods that need --draft-model; "hf-assisted-bf16" gives transformers' assisted generation the
 # draft in bfloat16, the precision selfspec's draft-model drafter uses on CPUs with BF16 instructions.
 DRAFT_METHODS = frozenset({"hf-assisted", "hf-assisted-bf16", "selfspec-draft-model"})

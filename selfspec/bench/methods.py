@@ -62,22 +62,22 @@ def parse_methods(spec: str | None) -> list[str]:
 # pins). The flags themselves (--medusa-heads, --medusa-tree, --exit-threshold, ...) are derived from this
 # table and the drafters' declared settings (settings.DRAFTER_SETTINGS). "-heads": the same heads and tree
 # with the lookup off (what the heads draft on their own); "-context": the lookup reads the context
-# only, never the --corpus (what the corpus adds); "-padded": at --batch-size > 1 every row's whole
-# tree is verified, padded to the widest (width fitting off: what budget.py's fitting adds).
+# only, never the --corpus (what the corpus adds); "-whole": every step verifies each row's whole tree
+# (width fitting off: what budget.py's fitting adds).
 SELFSPEC_METHODS = {
     "selfspec-ar": ("none", None, {}),
     "selfspec-lookup": ("lookup", None, {}),
     "selfspec-lookup-context": ("lookup", None, {"corpus": "none"}),
-    "selfspec-lookup-padded": ("lookup", None, {"fit_width": False}),
+    "selfspec-lookup-whole": ("lookup", None, {"fit_width": False}),
     "selfspec-early-exit": ("early-exit", "exit", {}),
     "selfspec-medusa": ("medusa", "medusa", {}),
     "selfspec-medusa-heads": ("medusa", "medusa", {"lookup": 0}),
     "selfspec-medusa-context": ("medusa", "medusa", {"corpus": "none"}),
-    "selfspec-medusa-padded": ("medusa", "medusa", {"fit_width": False}),
+    "selfspec-medusa-whole": ("medusa", "medusa", {"fit_width": False}),
     "selfspec-eagle": ("eagle", "eagle", {}),
     "selfspec-eagle-heads": ("eagle", "eagle", {"lookup": 0}),
     "selfspec-eagle-context": ("eagle", "eagle", {"corpus": "none"}),
-    "selfspec-eagle-padded": ("eagle", "eagle", {"fit_width": False}),
+    "selfspec-eagle-whole": ("eagle", "eagle", {"fit_width": False}),
     "selfspec-draft-model": ("draft-model", "draft", {}),
 }
 

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from ..backbone import Backbone, config_fingerprint
+from ..budget import verify_cost
 from ..corpus import load_corpus
 from ..decode import decode
 from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
@@ -146,10 +147,12 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
 def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int,
          linears=nullcontext()) -> tuple[int, float, int, int, int]:
     """Greedy-decode one prompt: (tokens, wall seconds, steps, tokens committed, draft nodes verified).
-    ``linears``: what ``SelfSpeculativeModel.generate`` decodes under (``projection.few_row_linears``)."""
+    ``linears``: what ``SelfSpeculativeModel.generate`` decodes under (``projection.few_row_linears``), and
+    like it each step's tree is cut to the width the pass is worth (``budget.py``)."""
     with linears:
         new, st = decode(bb, drafter, prompt.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
-                         eos_token_ids=set(), generator=None)
+                         eos_token_ids=set(), generator=None,
+                         cost=verify_cost(bb) if drafter.max_nodes > 1 else None)
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
