@@ -108,6 +108,7 @@ class VerifyCost:
         self.widths = widths                                 # timed for the prior, with the widest
         self._timed: dict[int, dict[int, float]] = {}       # rows -> {width: seconds}, the prior
         self._seen: dict[tuple[int, int], float] = {}        # (rows, width) -> running estimate of a real step
+        self._met: set[tuple[int, int]] = set()              # (rows, width) pairs whose first step was seen
 
     @property
     def observed(self) -> dict[tuple[int, int], float]:
@@ -115,7 +116,12 @@ class VerifyCost:
         return dict(self._seen)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A decoding step of ``rows`` rows at ``width`` took ``seconds``."""
+        """A decoding step of ``rows`` rows at ``width`` took ``seconds``. The first step at a shape is
+        not counted: it pays one-off costs (product layouts timed for a new row count, allocations),
+        and a width that looked that slow would never be chosen, so never measured again."""
+        if (rows, width) not in self._met:
+            self._met.add((rows, width))
+            return
         old = self._seen.get((rows, width))
         self._seen[rows, width] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
 

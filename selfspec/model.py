@@ -159,6 +159,7 @@ class SelfSpeculativeModel:
         self.last_stats: DecodeStats | None = None
         # Greedy, eager: each step's trees cut to the width the (batched) pass is worth (budget.py).
         self.fit_width = bool(fit_width)
+        self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
@@ -364,10 +365,15 @@ class SelfSpeculativeModel:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         on_tokens = (lambda _row, toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
+        cost = self._cost(len(prompts))
+        if cost is not None and len(prompts) not in self._tuned_batches:
+            # Time the product layouts and the pass's cost prior now, not inside the steps whose times the
+            # fitting learns from (a step that timed a layout would look slow, and its width never be tried again).
+            self.tune_layouts(len(prompts))
         with self.linears:
             new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                     on_tokens=on_tokens, step=self.step, cost=self._cost(len(prompts)))
+                                     on_tokens=on_tokens, step=self.step, cost=cost)
         if streamer is not None:
             streamer.end()
         self.last_stats = stats
@@ -381,6 +387,7 @@ class SelfSpeculativeModel:
         and the verification pass's cost at every row count up to ``batch`` (budget.py), so that
         no later call pays for it; decoding otherwise times each on first use, once per process."""
         tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
+        self._tuned_batches.update(range(1, batch + 1))
         cost = self._cost(batch)
         with self.linears:
             for rows in range(1, batch + 1) if cost is not None else ():

@@ -88,8 +88,11 @@ def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
     assert sorted(cost.timings) == [(2, 5), (4, 5)]                     # each row count timed once
     cost._timed[4][4] = 5.5                                            # a dip (width 4 cheaper than 2) is flattened
     assert cost.table(4, 5) == pytest.approx([5, 6, 6, 6, 9])
+    cost.observe(4, 1, 99.0)                                           # a shape's first step (one-off costs): ignored
+    assert cost.table(4, 5) == pytest.approx([5, 6, 6, 6, 9])
     cost.observe(4, 1, 10.0)                                           # real steps: twice the prior at width 1
     assert cost.table(4, 5) == pytest.approx([10, 12, 12, 12, 18])
+    cost.observe(4, 5, 50.0)
     cost.observe(4, 5, 12.0)                                           # a seen width replaces the prior, and the
     scale = (2.0 + 12.0 / 9.0) / 2                                     # median ratio seen/prior rescales the rest
     assert cost.table(4, 5) == pytest.approx([10, 6 * scale, 6 * scale, 6 * scale, 12])

@@ -240,7 +240,8 @@ def test_shipped_portable_medusa_heads_run_in_vllms_layout(demo, tmp_path):
     theirs = MedusaHeads(out).logits(hidden)
     assert torch.equal(torch.isinf(theirs), torch.isinf(full))
     torch.testing.assert_close(theirs[~torch.isinf(theirs)], full[~torch.isinf(full)], rtol=1e-4, atol=1e-4)
-    sm = SelfSpeculativeModel(model, demo.tokenizer, drafter_name="medusa", heads=heads, name=demo.name)
+    # Whole trees: the tau floor is about the heads, not about how this machine's timings cut them.
+    sm = SelfSpeculativeModel(model, demo.tokenizer, drafter_name="medusa", heads=heads, name=demo.name, fit_width=False)
     got = sm.generate(ids[None], max_new_tokens=48)
     assert torch.equal(got, model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=48,
                                            do_sample=False, pad_token_id=demo.tokenizer.eos_token_id))

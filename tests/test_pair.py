@@ -58,6 +58,6 @@ def test_the_draft_accepts_deep_on_the_pair(pair):
     """The 0.5B draft agrees with the 1.5B target often: deep chains are accepted (the basis of its speed)."""
     target, draft = pair
     sm = SelfSpeculativeModel(target.model, target.tokenizer, drafter_name="draft-model", name=target.name,
-                              heads=None, draft_model=draft.model, tree="chain-4")
+                              heads=None, draft_model=draft.model, tree="chain-4", fit_width=False)
     sm.generate(_ids(target.tokenizer, PROMPTS[0]), max_new_tokens=N)
     assert sm.last_stats.tau > 2.0
