@@ -116,7 +116,8 @@ def test_eagle3_directories_import_and_decode_exactly(fmt, target, tmp_path):
     ids = torch.tensor([[3, 17, 42, 8, 61]])
     runs = []
     for h in (heads, imported):
-        sm = SelfSpeculativeModel(model, None, drafter_name="eagle", heads=h, name="tiny", tree="dynamic-3-2-4")
+        sm = SelfSpeculativeModel(model, None, drafter_name="eagle", heads=h, name="tiny", tree="dynamic-3-2-4",
+                                  fit_width=False)   # whole trees: fitting's cuts follow timings, so runs could differ
         runs.append((sm.generate(ids, max_new_tokens=20), sm.last_stats.acceptance_by_depth))
     assert torch.equal(runs[0][0], hf_greedy(model, ids, 20)) and torch.equal(runs[1][0], runs[0][0])
     assert runs[1][1] == runs[0][1]                                          # identical drafts, step for step
