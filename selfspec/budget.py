@@ -3,8 +3,9 @@
 A batched pass verifies every row's tree padded to the largest (``decode.verify_rows``), so one row
 with a long lookup chain makes every row pay for that width. On a GPU a pass of a few tokens per
 row costs about what one costs; on a CPU the cost climbs with the width (2-core CPU, demo model, 8
-rows: width 2 costs 1.5x width 1, width 9 2.3x; one row: width 2 1.5x, width 9 1.7x), and verifying
-whole trees at batch 8 ran at 0.67x of decoding without drafts. Trees and thresholds are tuned once
+rows: width 2 costs 1.5x width 1, width 9 2.3x; one row: width 2 1.5x, width 9 1.7x, timed with
+``VerifyCost`` on that machine), and verifying whole trees at batch 8 ran at 0.67x-0.80x of decoding
+without drafts (``selfspec bench``, docs/results/cpu-heldout24-b8-fit). Trees and thresholds are tuned once
 (``tune-tree``), on one machine; the cost curve is the machine's own.
 
 So each greedy step picks the width w that maximises the batch's expected tokens per second
@@ -58,14 +59,15 @@ def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
     return int(torch.argmax(rate)) + 1   # argmax returns the first maximum: the narrowest
 
 
-def trim(draft: Draft, width: int) -> Draft:
+def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:
     """``draft`` cut to the root and its ``width - 1`` likeliest nodes (ties: earlier node first).
 
-    A node's chance never exceeds its parent's, and a parent comes first, so the kept set is a tree."""
+    A node's chance never exceeds its parent's, and a parent comes first, so the kept set is a tree.
+    p: ``path_p(draft)`` when the caller has it already."""
     n = draft.tree.size
     if n <= width or draft.resume is not None:
         return draft
-    p = path_p(draft)
+    p = path_p(draft) if p is None else p
     order = sorted(range(1, n), key=lambda i: (-float(p[i]), i))[: width - 1]
     keep = torch.tensor([0] + sorted(order), dtype=torch.long)
     new_id = torch.full((n,), -1, dtype=torch.long)
@@ -84,8 +86,9 @@ def trim(draft: Draft, width: int) -> Draft:
 
 def fit_width(drafts: list[Draft], cost: list[float]) -> list[Draft]:
     """Every row's draft cut to the batch's best width (``best_width``)."""
-    w = best_width([path_p(d)[1:] for d in drafts], cost)
-    return [trim(d, w) for d in drafts]
+    chances = [path_p(d) for d in drafts]
+    w = best_width([c[1:] for c in chances], cost)
+    return [trim(d, w, c) for d, c in zip(drafts, chances)]
 
 
 class VerifyCost:

@@ -158,7 +158,9 @@ class SelfSpeculativeModel:
         self.step = compile if isinstance(compile, StaticStep) else (StaticStep(self.backbone) if compile else None)
         self.last_stats: DecodeStats | None = None
         # Greedy, eager: each step's trees cut to the width the (batched) pass is worth (budget.py).
-        self.fit_width = bool(fit_width)
+        if not isinstance(fit_width, bool):
+            raise ValueError(f"fit_width must be True or False (got {fit_width!r})")
+        self.fit_width = fit_width
         self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None

@@ -163,3 +163,9 @@ def test_generate_fits_batches_with_costs_timed_on_this_machine(one_thread):
         assert (sm._cost(len(prompts)) is not None) == fit
     observed = verify_cost(sm.backbone).observed
     assert max(rows for rows, _ in observed) == len(prompts)   # the fitted run's steps taught the table
+
+
+def test_fit_width_must_be_a_bool():
+    with pytest.raises(ValueError, match="fit_width must be True or False") as excinfo:
+        SelfSpeculativeModel(tiny_model("llama"), None, drafter_name="lookup", heads=None, name="t", fit_width="no")
+    assert "\n" not in str(excinfo.value)
