@@ -20,7 +20,10 @@ depend on what was drawn), and so are drafts whose drafter already ran part of t
 The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
 and the widest, once per process and model at the batch sizes met (about a second on a 2-core CPU for
 the demo model; the bench does it before timing anything, as it does the product layouts), then what
-decoding's own steps measure.
+decoding's own steps measure. A width is measured only when chosen, so every ``EXPLORE_EVERY``-th
+step at a row count verifies one width wider or narrower than the best (alternately): an estimate
+spoiled by a load spike is measured again, and the choice can climb to a wider optimum that the prior
+hid.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from collections import deque
 
 import torch
 
 from .backbone import Backbone
 from .cache import KVCache
 from .drafters.base import Draft, prior_path_p
-from .tree import tree_from_parents
+from .tree import subtree, tree_from_parents
 
 
 def path_p(draft: Draft) -> torch.Tensor:
@@ -69,25 +73,18 @@ def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:
         return draft
     p = path_p(draft) if p is None else p
     order = sorted(range(1, n), key=lambda i: (-float(p[i]), i))[: width - 1]
-    keep = torch.tensor([0] + sorted(order), dtype=torch.long)
-    new_id = torch.full((n,), -1, dtype=torch.long)
-    new_id[keep] = torch.arange(keep.numel())
     old = draft.tree
-    dev = old.parents.device
-    parents = torch.cat([torch.tensor([-1]), new_id[old.parents.cpu()[keep[1:]]]])
-    if bool((parents[1:] < 0).any()):
-        raise AssertionError("a kept node's parent was cut: path_p must not rise along a path")
-    kd = keep.to(dev)
-    tree = tree_from_parents(parents.to(dev), old.ranks[kd], max_depth=int(old.depths[kd].max()))
+    keep = torch.tensor([0] + sorted(order), dtype=torch.long, device=old.parents.device)
+    tree = subtree(old.parents, old.ranks, keep, max_depth=int(old.depths[keep].max()))
     return Draft(tree=tree, tokens=draft.tokens[keep.to(draft.tokens.device)],
                  q=draft.q, q_index=None if draft.q is None else draft.q_rows()[keep.to(draft.q.device)],
                  path_p=None if draft.path_p is None else draft.path_p[keep.to(draft.path_p.device)])
 
 
-def fit_width(drafts: list[Draft], cost: list[float]) -> list[Draft]:
-    """Every row's draft cut to the batch's best width (``best_width``)."""
+def fit_width(drafts: list[Draft], cost: "VerifyCost", widest: int) -> list[Draft]:
+    """Every row's draft cut to the width ``cost`` picks for the batch (``VerifyCost.width``)."""
     chances = [path_p(d) for d in drafts]
-    w = best_width([c[1:] for c in chances], cost)
+    w = cost.width([c[1:] for c in chances], widest)
     return [trim(d, w, c) for d, c in zip(drafts, chances)]
 
 
@@ -98,11 +95,13 @@ class VerifyCost:
     widths 1, 2 and the drafter's widest tree (interpolated between: most steps choose among the
     narrow widths, and a real step's cost replaces a guess), on a scratch cache of ``context``
     positions per row (the median of ``sweeps`` interleaved sweeps); then what
-    decoding's own steps measure (``observe``) replaces it where seen, and rescales it where not (a
+    decoding's own steps measure (``observe``; the fastest of a shape's last few steps) replaces it
+    where seen, and rescales it where not (a
     real context is longer than the scratch one, and a step does more than its pass). A curve that
     dips (a CPU BLAS can run 6 rows faster than 3) is flattened: a wider pass is never assumed cheaper."""
 
-    SMOOTHING = 0.3   # weight of the newest observation in a (rows, width)'s running estimate
+    RECENT = 3          # a (rows, width)'s estimate: the fastest of its last RECENT steps (load only adds time)
+    EXPLORE_EVERY = 16  # every so many steps at a row count, a neighbour of the best width is verified
 
     def __init__(self, backbone: Backbone, *, context: int = 32, sweeps: int = 3, widths: tuple[int, ...] = (1, 2)):
         self.backbone = backbone
@@ -110,13 +109,26 @@ class VerifyCost:
         self.sweeps = sweeps
         self.widths = widths                                 # timed for the prior, with the widest
         self._timed: dict[int, dict[int, float]] = {}       # rows -> {width: seconds}, the prior
-        self._seen: dict[tuple[int, int], float] = {}        # (rows, width) -> running estimate of a real step
+        self._seen: dict[tuple[int, int], deque] = {}        # (rows, width) -> seconds of its last steps
         self._met: set[tuple[int, int]] = set()              # (rows, width) pairs whose first step was seen
+        self._steps: dict[int, int] = {}                     # rows -> widths chosen so far
 
     @property
     def observed(self) -> dict[tuple[int, int], float]:
-        """(rows, width) -> the running estimate of a real step's seconds, for every pair seen."""
-        return dict(self._seen)
+        """(rows, width) -> the estimate of a real step's seconds, for every pair seen."""
+        return {k: min(v) for k, v in self._seen.items()}
+
+    def width(self, chances: list[torch.Tensor], widest: int) -> int:
+        """The width to verify this step for rows with these node ``chances`` (root excluded):
+        ``best_width`` on this table, except every ``EXPLORE_EVERY``-th step at a row count, which
+        takes a neighbour of it (wider, then narrower next time) so that it is measured again."""
+        rows = len(chances)
+        w = best_width(chances, self.table(rows, widest))
+        n = self._steps[rows] = self._steps.get(rows, 0) + 1
+        if n % self.EXPLORE_EVERY == 0:
+            top = min(widest, 1 + max((c.numel() for c in chances), default=0))
+            w = min(max(w + (1 if (n // self.EXPLORE_EVERY) % 2 else -1), 1), top)
+        return w
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A decoding step of ``rows`` rows at ``width`` took ``seconds``. The first step at a shape is
@@ -125,8 +137,7 @@ class VerifyCost:
         if (rows, width) not in self._met:
             self._met.add((rows, width))
             return
-        old = self._seen.get((rows, width))
-        self._seen[rows, width] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+        self._seen.setdefault((rows, width), deque(maxlen=self.RECENT)).append(seconds)
 
     def table(self, rows: int, width: int) -> list[float]:
         """cost[w - 1] for w = 1 .. width at ``rows`` rows."""
@@ -135,7 +146,7 @@ class VerifyCost:
         a, b = self._curve(lo, width), self._curve(hi, width)
         f = 0.0 if hi == lo else (rows - lo) / (hi - lo)
         prior = [x + f * (y - x) for x, y in zip(a, b)]
-        seen = {w: self._seen[rows, w] for w in range(1, width + 1) if (rows, w) in self._seen}
+        seen = {w: min(self._seen[rows, w]) for w in range(1, width + 1) if (rows, w) in self._seen}
         scale = statistics.median(seen[w] / prior[w - 1] for w in seen) if seen else 1.0
         return _flattened([seen.get(w, scale * prior[w - 1]) for w in range(1, width + 1)])
 

@@ -336,7 +336,7 @@ def decode_rows(
         t1 = time.perf_counter()
         drafts = drafter.draft_rows([drafters[b] for b in live], rows)              # DRAFT
         if cost is not None and not params.do_sample:
-            drafts = fit_width(drafts, cost.table(len(live), drafter.max_nodes))    # (the width worth verifying)
+            drafts = fit_width(drafts, cost, drafter.max_nodes)                     # (the width worth verifying)
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY

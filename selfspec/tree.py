@@ -145,6 +145,17 @@ def tree_from_parents(parents: torch.Tensor, ranks: torch.Tensor, *, max_depth: 
     return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors)
 
 
+def subtree(parents: torch.Tensor, ranks: torch.Tensor, keep: torch.Tensor, *, max_depth: int) -> Tree:
+    """The tree of the nodes ``keep`` (ascending ids, 0 first) of the tree given by ``parents`` and
+    ``ranks`` (n,), renumbered 0.. in that order. Every kept node's parent must be kept too."""
+    new_id = torch.full((parents.shape[0],), -1, dtype=torch.long, device=parents.device)
+    new_id[keep] = torch.arange(keep.shape[0], device=parents.device)
+    sub = torch.cat([parents.new_tensor([-1]), new_id[parents[keep[1:]]]])
+    if bool((sub[1:] < 0).any()):
+        raise AssertionError("a kept node's parent was cut: a subtree must be closed under parents")
+    return tree_from_parents(sub, ranks[keep], max_depth=max_depth)
+
+
 def path_probs(tree: Tree, conf: torch.Tensor) -> list[float]:
     """The product of ``conf`` (n,) (the draft's probability of each node given its parent) along
     each node's path; the root's is 1. Summed over a tree's nodes it is the number of its tokens

@@ -96,9 +96,33 @@ def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
     cost.observe(4, 5, 12.0)                                           # a seen width replaces the prior, and the
     scale = (2.0 + 12.0 / 9.0) / 2                                     # median ratio seen/prior rescales the rest
     assert cost.table(4, 5) == pytest.approx([10, 6 * scale, 6 * scale, 6 * scale, 12])
-    cost.observe(4, 5, 22.0)                                           # a running estimate, not the last value
-    assert cost.table(4, 5)[4] == pytest.approx(12.0 + VerifyCost.SMOOTHING * 10.0)
+    cost.observe(4, 5, 90.0)                                           # a load spike: load only adds time, so
+    assert cost.table(4, 5)[4] == pytest.approx(12.0)                  # the fastest of the last steps counts
+    for s in (20.0, 21.0, 22.0):                                       # only the last RECENT steps count
+        cost.observe(4, 5, s)
+    assert cost.table(4, 5)[4] == pytest.approx(20.0) and VerifyCost.RECENT == 3
     assert cost.table(2, 5)[0] == pytest.approx(3.0)                   # other row counts keep their own prior
+
+
+def test_a_width_spoiled_by_a_spike_is_measured_again():
+    """Widths are measured only when chosen: a spike at the best width must not park a process at
+    plain steps for good. Every EXPLORE_EVERY-th step takes a neighbour of the best width instead."""
+    cost = _Timed()                                  # prior at 1 row: width w costs 1 + w (width 2: 3, width 1: 2)
+    chances = [torch.tensor([0.9, 0.8, 0.7])]        # worth width 4 at that prior (3.4 tokens / 5 s)
+    true = {1: 2.0, 2: 2.2, 3: 2.4, 4: 2.6}          # what steps really cost here
+    for w in true:
+        cost.observe(1, w, 0.0)                      # (each shape's first step is ignored)
+    for w in (2, 3, 4):
+        cost.observe(1, w, 50.0)                     # a load spike at every wider width (their only step)
+    cost.observe(1, 1, true[1])
+    chosen = []
+    for _ in range(6 * VerifyCost.EXPLORE_EVERY):
+        w = cost.width(chances, 4)
+        chosen.append(w)
+        cost.observe(1, w, true[w])
+    assert set(chosen[: VerifyCost.EXPLORE_EVERY - 1]) == {1}, "the spike makes drafting look dear at first"
+    last = chosen[-VerifyCost.EXPLORE_EVERY:]
+    assert last.count(4) >= len(last) - 1, f"exploration should climb back to the best width (chose {last})"
 
 
 class _Cycling:
@@ -111,6 +135,9 @@ class _Cycling:
         self.calls += 1
         slope = (0.0, 0.3, 1.0, 5.0)[self.calls % 4]
         return [1.0 + slope * (w - 1) for w in range(1, width + 1)]
+
+    def width(self, chances, widest):
+        return best_width(chances, self.table(len(chances), widest))
 
     def observe(self, rows, width, seconds):
         self.seen.append(width)

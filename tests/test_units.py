@@ -7,7 +7,7 @@ import torch
 
 from selfspec import cache as kv
 from selfspec.sampling import SamplingParams, pick_candidates, probs_from_logits
-from selfspec.tree import build_tree, chain, chain_with_siblings, parse_tree
+from selfspec.tree import build_tree, chain, chain_with_siblings, parse_tree, subtree
 from selfspec.verify import greedy_accept, rejection_accept_chain
 
 
@@ -28,6 +28,16 @@ def test_tree_builder_shapes_mask_positions():
     assert t.position_ids(3).tolist() == [[3, 4, 4, 5, 5]]
     assert t.width_at(1) == 2 and t.width_at(2) == 1
     assert build_tree(((0,), (1,), (0, 0), (1, 0))) is t          # cached on its shape
+
+
+def test_subtree_renumbers_kept_nodes_and_refuses_orphans():
+    t = build_tree(((0,), (1,), (0, 0), (1, 0), (1, 0, 0)))     # nodes 1..5; 5 under 4 under 2
+    sub = subtree(t.parents, t.ranks, torch.tensor([0, 2, 4, 5]), max_depth=3)
+    assert sub.parents.tolist() == [-1, 0, 1, 2]
+    assert sub.paths == ((1,), (1, 0), (1, 0, 0))                # ranks carried over: node 2 is rank 1
+    assert sub.depths.tolist() == [0, 1, 2, 3]
+    with pytest.raises(AssertionError, match="closed under parents"):
+        subtree(t.parents, t.ranks, torch.tensor([0, 1, 4]), max_depth=3)   # 4's parent 2 was cut
 
 
 def test_tree_builder_rejects_bad_paths():

@@ -44,7 +44,7 @@ from ..corpus import Corpus
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
-from ..tree import additive_mask, tree_from_parents
+from ..tree import additive_mask, subtree
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, draft_dtype, full_vocab
 from .lookup import with_lookup
@@ -210,12 +210,8 @@ class EagleDrafter(Drafter):
             keep = keep[scores[keep].exp() >= self.threshold]
             keep = keep[self._closed(keep, parents)]
         keep, _ = torch.sort(keep)                     # pool order: parents before children
-        new_id = torch.full((n,), -1, dtype=torch.long, device=dev)
-        new_id[0] = 0
-        new_id[keep] = torch.arange(1, keep.shape[0] + 1, device=dev)
         nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep])
-        tree = tree_from_parents(torch.cat([torch.tensor([-1], device=dev), new_id[parents[keep]]]), ranks[nodes],
-                                 max_depth=self.depth)
+        tree = subtree(parents, ranks, nodes, max_depth=self.depth)
         q_full, q_index = None, None
         if sampling:
             q_full = full_vocab(torch.cat(q_list), self.vocab, self.backbone.vocab_size)
