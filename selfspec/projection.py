@@ -24,6 +24,15 @@ layout and hands the module a zero-row input, and a forward hook returns the pro
 module's output. The hooks exist only inside ``with``; calls with gradients on or with more
 than ``MAX_TUNED_ROWS`` rows run as they would without them.
 
+A rerouted product pays for the hooks (a pair costs ~15 us a call on the 2-core box even when it
+does nothing: 3 ms a token over the demo model's 210 layer products) and a layout only pays where
+it saves more than that. So a decoder layer (an element of a ``ModuleList`` holding such
+products) hooks, before each forward, only those of its products whose timed layout saves more
+than a rerouted call costs (``routing_cost``, timed once per process) at the forward's row count,
+and leaves the others to the module's own call with no hook at all. On that box a one-row step
+then runs at transformers' speed (hooking all of them made it ~10% slower) while steps of a few
+rows keep their ~20% gain.
+
 The layouts sum in different orders, so values agree to float rounding, not bit for bit: the
 same class of difference as any batched forward, and greedy exactness is measured against
 transformers like everything else. On CUDA it is always ``F.linear``.
@@ -31,6 +40,7 @@ transformers like everything else. On CUDA it is always ``F.linear``.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -179,12 +189,41 @@ class Projection:
         return {k[3]: v for k, v in CHOICE.items() if k[:3] == (tuple(w.shape), w.dtype, torch.get_num_threads())}
 
 
+_ROUTING_COST: list[float] = []   # the process's ``routing_cost``, once timed
+
+
+def routing_cost() -> float:
+    """Seconds a product rerouted by ``FewRowLinears`` costs beyond the module's own call (the hooks
+    and the layout lookup), timed once per process on a tiny layer (~20 ms)."""
+    if not _ROUTING_COST:
+        layer = nn.Linear(5, 7, bias=False)       # in no layer: always rerouted while active
+        x = torch.zeros(1, 5)
+        mode = FewRowLinears(layer, min_elements=0)
+        key = (tuple(layer.weight.shape), layer.weight.dtype, torch.get_num_threads(), 1)
+        had = key in CHOICE
+        CHOICE.setdefault(key, "linear")          # the layout's own cost is not what is timed
+        plain, routed = [], []
+        with torch.no_grad():
+            for _ in range(5):
+                for times, ctx in ((plain, nullcontext()), (routed, mode)):
+                    with ctx:
+                        t0 = time.perf_counter()
+                        for _ in range(100):
+                            layer(x)
+                        times.append((time.perf_counter() - t0) / 100)
+        if not had:
+            CHOICE.pop(key, None)
+        _ROUTING_COST.append(max(0.0, statistics.median(routed) - statistics.median(plain)))
+    return _ROUTING_COST[0]
+
+
 class FewRowLinears:
     """While active (``with``), each CPU ``nn.Linear`` of ``models`` with at least ``min_elements``
     weights (LM heads aside: they are ``Projection``s already) computes products of at most
     ``max_rows`` rows without gradients in the layout timed fastest for its shape and row count,
     timed over the models' weights of that shape. Values agree with ``F.linear`` to float rounding,
-    as a batched forward's do."""
+    as a batched forward's do. Those inside a decoder layer are rerouted only where that pays
+    (module docstring); the others always."""
 
     def __init__(self, *models: nn.Module | None, min_elements: int = MIN_TUNED_ELEMENTS, max_rows: int = MAX_TUNED_ROWS):
         self.max_rows = max_rows
@@ -192,12 +231,21 @@ class FewRowLinears:
         self.weights: dict[tuple, list[torch.Tensor]] = {}    # (shape, dtype) -> every routed weight of it
         for m in self.modules:
             self.weights.setdefault((tuple(m.weight.shape), m.weight.dtype), []).append(m.weight)
+        self.layers = _layers_holding([model for model in models if model is not None], self.modules)
+        in_layers = {id(m) for ms in self.layers.values() for m in ms}
+        self.loose = [m for m in self.modules if id(m) not in in_layers]   # hooked whenever active
         self.rerouted = 0                                       # products computed here (for tests and reports)
         self._out: dict[int, torch.Tensor] = {}
-        self._handles: list = []
+        self._handles: list = []                                # while active: the layers' hooks, the loose ones'
+        self._hooked: dict[int, list] = {}                      # id(linear) -> its two hook handles
+        self._pays: dict[tuple, bool] = {}                      # (shape, dtype, threads, rows) -> worth rerouting
+        self._want: dict[tuple, tuple[bool, ...]] = {}          # (id(layer), rows) -> which of its products to hook
+        self._state: dict[int, tuple[bool, ...]] = {}           # id(layer) -> which are hooked now
 
     def tune(self) -> None:
-        """Time now every row count it reroutes, for every weight shape (decoding would time each on first use)."""
+        """Time now every row count it reroutes, for every weight shape, and what rerouting costs
+        (decoding would time each on first use)."""
+        routing_cost()
         for group in self.weights.values():
             for rows in range(1, self.max_rows + 1):
                 project(group[0].new_zeros(rows, group[0].shape[1]).normal_(), group[0], timed_on=group)
@@ -215,16 +263,73 @@ class FewRowLinears:
     def _after(self, module: nn.Linear, args, output):
         return self._out.pop(id(module), None)               # None: the module's own output stands
 
+    def _hook(self, m: nn.Linear, on: bool) -> None:
+        if on and id(m) not in self._hooked:
+            self._hooked[id(m)] = [m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)]
+        elif not on and id(m) in self._hooked:
+            for h in self._hooked.pop(id(m)):
+                h.remove()
+
+    def _pays_at(self, m: nn.Linear, rows: int) -> bool:
+        """Whether ``m``'s timed layout at ``rows`` rows saves more than rerouting costs (untimed: yes,
+        so that its first product times it)."""
+        w = m.weight
+        key = (tuple(w.shape), w.dtype, torch.get_num_threads(), rows)
+        if key not in self._pays:
+            timed = TABLE.get(key)
+            if timed is None or key not in CHOICE:
+                return True
+            per = w.numel() * w.element_size()
+            streamed = min(len(self.weights[(tuple(w.shape), w.dtype)]), max(1, TIMING_BYTES // max(per, 1)))
+            self._pays[key] = (timed["linear"] - timed[CHOICE[key]]) / streamed > routing_cost()
+        return self._pays[key]
+
+    def _layer_rows(self, layer: nn.Module, args, kwargs):
+        """Before a decoder layer's forward: hook those of its products that pay at its row count."""
+        h = args[0] if args else kwargs.get("hidden_states")
+        rows = h[..., 0].numel() if isinstance(h, torch.Tensor) and h.dim() >= 2 else None
+        if rows is not None and (rows > self.max_rows or torch.is_grad_enabled()):
+            rows = 0                                    # the module's own product (as ``_before`` would)
+        want = self._want.get((id(layer), rows))
+        if want is None:
+            want = tuple(rows is None or (rows > 0 and self._pays_at(m, rows)) for m in self.layers[layer])
+            if rows is not None and all((tuple(m.weight.shape), m.weight.dtype, torch.get_num_threads(), rows)
+                                        in self._pays for m in self.layers[layer] if rows > 0):
+                self._want[id(layer), rows] = want      # settled: every product's timing is known
+        if self._state.get(id(layer)) != want:
+            for m, on in zip(self.layers[layer], want):
+                self._hook(m, on)
+            self._state[id(layer)] = want
+        return None
+
     def __enter__(self) -> "FewRowLinears":
         if not self._handles:
-            for m in self.modules:
-                self._handles += [m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)]
+            for m in self.loose:
+                self._hook(m, True)
+            self._handles = [layer.register_forward_pre_hook(self._layer_rows, with_kwargs=True) for layer in self.layers]
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
-        self._handles, self._out = [], {}
+        for m in self.modules:
+            self._hook(m, False)
+        self._handles, self._out, self._state = [], {}, {}
+
+
+def _layers_holding(models: list[nn.Module], linears: list[nn.Linear]) -> dict[nn.Module, list[nn.Linear]]:
+    """Decoder layers (elements of a ``ModuleList``, outermost first) -> the ``linears`` inside them."""
+    wanted, out, taken = {id(m) for m in linears}, {}, set()
+    for model in models:
+        for mod in model.modules():
+            if not isinstance(mod, nn.ModuleList):
+                continue
+            for layer in mod:
+                inside = [m for m in layer.modules() if id(m) in wanted and id(m) not in taken]
+                if inside:
+                    out[layer] = inside
+                    taken.update(id(m) for m in inside)
+    return out
 
 
 def routable(model: nn.Module, min_elements: int = MIN_TUNED_ELEMENTS) -> list[nn.Linear]:
