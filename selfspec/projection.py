@@ -270,15 +270,15 @@ class FewRowLinears:
             for h in self._hooked.pop(id(m)):
                 h.remove()
 
-    def _pays_at(self, m: nn.Linear, rows: int) -> bool:
-        """Whether ``m``'s timed layout at ``rows`` rows saves more than rerouting costs (untimed: yes,
-        so that its first product times it)."""
+    def _pays_at(self, m: nn.Linear, rows: int) -> bool | None:
+        """Whether ``m``'s timed layout at ``rows`` rows saves more than rerouting costs; None while
+        untimed."""
         w = m.weight
         key = (tuple(w.shape), w.dtype, torch.get_num_threads(), rows)
         if key not in self._pays:
             timed = TABLE.get(key)
             if timed is None or key not in CHOICE:
-                return True
+                return None
             per = w.numel() * w.element_size()
             streamed = min(len(self.weights[(tuple(w.shape), w.dtype)]), max(1, TIMING_BYTES // max(per, 1)))
             self._pays[key] = (timed["linear"] - timed[CHOICE[key]]) / streamed > routing_cost()
@@ -292,9 +292,9 @@ class FewRowLinears:
             rows = 0                                    # the module's own product (as ``_before`` would)
         want = self._want.get((id(layer), rows))
         if want is None:
-            want = tuple(rows is None or (rows > 0 and self._pays_at(m, rows)) for m in self.layers[layer])
-            if rows is not None and all((tuple(m.weight.shape), m.weight.dtype, torch.get_num_threads(), rows)
-                                        in self._pays for m in self.layers[layer] if rows > 0):
+            pays = [None if rows is None else rows > 0 and self._pays_at(m, rows) for m in self.layers[layer]]
+            want = tuple(p is not False for p in pays)  # untimed: hooked, so that its first product times it
+            if None not in pays:
                 self._want[id(layer), rows] = want      # settled: every product's timing is known
         if self._state.get(id(layer)) != want:
             for m, on in zip(self.layers[layer], want):
