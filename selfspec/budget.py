@@ -18,8 +18,8 @@ depend on what was drawn), and so are drafts whose drafter already ran part of t
 (early exit's ``Resume``).
 
 The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
-and the widest, once per process and model at the batch sizes met (about a second on a 2-core CPU for
-the demo model; the bench does it before timing anything, as it does the product layouts), then what
+and the widest, once per machine and model at the batch sizes met (kept for later processes by
+``timings.py``; the bench does it before timing anything, as it does the product layouts), then what
 decoding's own steps measure. A width is measured only when chosen, so every ``EXPLORE_EVERY``-th
 step at a row count verifies one width wider or narrower than the best (alternately): an estimate
 spoiled by a load spike is measured again, and the choice can climb to a wider optimum that the prior
@@ -35,7 +35,8 @@ from collections import deque
 
 import torch
 
-from .backbone import Backbone
+from . import timings
+from .backbone import Backbone, config_fingerprint
 from .cache import KVCache
 from .drafters.base import Draft, prior_path_p
 from .tree import subtree, tree_from_parents
@@ -171,6 +172,14 @@ class VerifyCost:
 
         bb, dev = self.backbone, self.backbone.device
         widths = sorted({w for w in self.widths if w < width} | {width})
+        key = None
+        if dev.type == "cpu":   # kept for later processes on this machine (timings.py)
+            key = (f"verify|{config_fingerprint(bb.model.config)}|{str(bb.dtype).removeprefix('torch.')}"
+                   f"|threads={torch.get_num_threads()}|context={self.context}|sweeps={self.sweeps}|rows={rows}"
+                   f"|widths={','.join(map(str, widths))}")
+            kept = timings.get(key)
+            if isinstance(kept, list) and sorted(int(w) for w, _ in kept) == widths:
+                return {int(w): float(t) for w, t in kept}
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, bb.vocab_size, (self.context,), generator=gen).to(dev) for _ in range(rows)]
         cache = KVCache(rows)
@@ -191,7 +200,10 @@ class VerifyCost:
                 _sync(dev)
                 seconds[w].append(time.perf_counter() - t)
                 cache.keep(pasts, empty)
-        return {w: statistics.median(s) for w, s in seconds.items()}
+        out = {w: statistics.median(s) for w, s in seconds.items()}
+        if key is not None:
+            timings.put(key, [[w, t] for w, t in out.items()])
+        return out
 
 
 def _flattened(costs: list[float]) -> list[float]:

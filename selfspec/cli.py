@@ -21,7 +21,7 @@ from typing import Callable
 from . import __version__
 from .io import prompt_ids
 from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
-from .settings import CORPUS_HELP
+from .settings import CORPUS_HELP, RETIME_HELP
 from .training.cli_args import at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling
 
 
@@ -64,7 +64,10 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    from . import timings
     from .model import SelfSpeculativeModel
+
+    timings.retime(args.retime)
 
     heads = args.heads
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
@@ -115,6 +118,7 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                         "the first steps compile, a minute or more on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--retime", action="store_true", help=RETIME_HELP)
     p.set_defaults(func=cmd_generate)
 
 

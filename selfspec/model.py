@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import timings
 from .backbone import Backbone, config_fingerprint
 from .budget import VerifyCost, verify_cost
 from .corpus import Corpus, load_corpus, read_corpus_config
@@ -387,13 +388,15 @@ class SelfSpeculativeModel:
     def tune_layouts(self, batch: int = 1) -> None:
         """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),
         and the verification pass's cost at every row count up to ``batch`` (budget.py), so that
-        no later call pays for it; decoding otherwise times each on first use, once per process."""
+        no later call pays for it; decoding otherwise times each on first use. What an earlier
+        process on this machine timed is read back instead, and what this one times is kept (timings.py)."""
         tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
         self._tuned_batches.update(range(1, batch + 1))
         cost = self._cost(batch)
         with self.linears:
             for rows in range(1, batch + 1) if cost is not None else ():
                 cost.table(rows, self.drafter.max_nodes)
+        timings.flush()
 
     def _cost(self, rows: int) -> VerifyCost | None:
         """What prices a batch's verification passes for width fitting; None where it does not apply."""

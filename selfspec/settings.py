@@ -25,6 +25,8 @@ DEFAULT_CHAIN_TREE = "chain-4"   # early exit and the draft model: a chain of 4
 # the lookup over the target's greedy answers: docs/results/README.md).
 CORPUS_MIN_NGRAM, CORPUS_MAX_NGRAM = 2, 4
 CORPUS_MIN_COUNT, CORPUS_MIN_SHARE = 2, 0.5
+RETIME_HELP = ("time this machine's product layouts and verification costs afresh instead of reading what an "
+               "earlier run kept under $SELFSPEC_HOME/timings (e.g. if that run shared the machine with other work)")
 CORPUS_HELP = ("lookup / medusa / eagle: where the context has no match, the lookup proposes what followed in the "
                "target's own earlier answers: a directory from `selfspec build-corpus`; auto = the one shipped for "
                "the demo model, none = off. Output is unchanged")

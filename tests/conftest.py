@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests time layouts and costs afresh and keep nothing (selfspec/timings.py): what one test or run
+# timed must not decide what another measures. tests/test_timings.py turns the store on where it tests it.
+os.environ.setdefault("SELFSPEC_TIMINGS", "off")
 
 
 @pytest.fixture

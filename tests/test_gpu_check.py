@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.demo
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    # Its processes share one timing store (selfspec/timings.py), as on a GPU box: the first times, the rest read.
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "SELFSPEC_TIMINGS": str(tmp_path / "timings")}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--out",
                         str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])

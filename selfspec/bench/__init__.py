@@ -14,7 +14,9 @@ from ..io import prompt_ids
 from ..loading import check_model_name, load_model
 from ..backbone import config_fingerprint
 from ..corpus import load_corpus
-from ..settings import CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
+from .. import timings
+from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, RETIME_HELP, SETTING_HELP, SETTING_KEYS,
+                        check_settings)
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, DRAFT_METHODS, load_prompts, run_bench
@@ -47,6 +49,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="selfspec's methods verify through a compiled static-shape step (compiled during the warm-up)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--retime", action="store_true", help=RETIME_HELP)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -116,6 +119,7 @@ def run_bench_cli(args) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    timings.retime(args.retime)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = None
     if DRAFT_METHODS & set(names):
