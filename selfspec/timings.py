@@ -3,7 +3,8 @@
 What decoding measures about the machine before it can pick well (the product layouts of
 ``projection.py``, what a rerouted product costs, the verification pass's cost prior of
 ``budget.py``) is a property of the CPU, the thread count and torch, not of the process. Timing it
-takes a fresh process about a minute for the demo model on a 2-core CPU, before the first token.
+took a fresh process 7.8 s for the demo model with its default drafter on a 2-core CPU before the
+first token (over a minute while other work shared the cores); reading it back takes 0.17 s.
 So each timing is kept in one JSON file per machine, ``$SELFSPEC_HOME/timings/<machine>.json``, and
 a later process reads it instead of timing again. The machine key covers the CPU model, the
 logical CPU count, the platform and the torch version; the entry keys carry the thread count,
