@@ -29,7 +29,7 @@ def _bench_section(bench: dict, method: str) -> list[str]:
     m = bench["methods"][method]
     c = bench["config"]
     acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or [])
-    lines = ["## Measured on dev prompts", "",
+    lines = ["## Measured by `selfspec bench`", "",
             f"`{c.get('command')}`", "",
             f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
             f"{c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}`:", "",
@@ -38,7 +38,7 @@ def _bench_section(bench: dict, method: str) -> list[str]:
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
             f"(median per prompt {m['speedup_median']:.2f}x)",
             f"- identical to transformers greedy: {m['identical']}"]
-    kind = method.removeprefix("selfspec-")
+    kind = method.split("@")[0].removeprefix("selfspec-")   # METHOD@DIR: the settings shown are the base method's
     used = {k.removeprefix(f"{kind}_"): v for k, v in (c.get("heads") or {}).items() if k.startswith(f"{kind}_")}
     if used:
         lines.append("- settings used: " + ", ".join(f"{k} {v}" for k, v in used.items()))
