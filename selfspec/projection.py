@@ -29,7 +29,7 @@ A rerouted product pays for the hooks (a pair costs ~15 us a call on the 2-core 
 does nothing: 3 ms a token over the demo model's 210 layer products) and a layout only pays where
 it saves more than that. So a decoder layer (an element of a ``ModuleList`` holding such
 products) hooks, before each forward, only those of its products whose timed layout saves more
-than a rerouted call costs (``routing_cost``, timed once per process) at the forward's row count,
+than a rerouted call costs (``routing_cost``, timed once per machine) at the forward's row count,
 and leaves the others to the module's own call with no hook at all. On that box a one-row step
 then runs at transformers' speed (hooking all of them made it ~10% slower) while steps of a few
 rows keep their ~20% gain.
@@ -208,10 +208,11 @@ _ROUTING_COST: list[float] = []   # the process's ``routing_cost``, once timed
 
 def routing_cost() -> float:
     """Seconds a product rerouted by ``FewRowLinears`` costs beyond the module's own call (the hooks
-    and the layout lookup), timed once per process on a tiny layer (~20 ms)."""
+    and the layout lookup), timed once per machine on a tiny layer (~20 ms; kept by timings.py)."""
     kept_key = f"routing|threads={torch.get_num_threads()}"
-    if not _ROUTING_COST and isinstance(timings.get(kept_key), float):
-        _ROUTING_COST.append(timings.get(kept_key))
+    kept = None if _ROUTING_COST else timings.get(kept_key)
+    if isinstance(kept, float):
+        _ROUTING_COST.append(kept)
     if not _ROUTING_COST:
         layer = nn.Linear(5, 7, bias=False)       # in no layer: always rerouted while active
         x = torch.zeros(1, 5)

@@ -22,10 +22,12 @@ atomically) by ``flush``: after tuning, and when the process exits.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
 import platform
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,8 +42,10 @@ _entries: dict[str, object] | None = None   # the file's entries once read, plus
 _new: dict[str, object] = {}                # what this process timed, not yet written
 _retime = False                             # time afresh (and replace) rather than read
 _registered = False
+_warned = False
 
 
+@functools.cache   # read once: get() and put() ask for the store's path on every call
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -109,7 +113,7 @@ def put(key: str, value) -> None:
 
 def flush() -> None:
     """Write this process's new timings, merged into the file as it is now. A store that cannot be
-    written (read-only home) only costs the next process its timings again."""
+    written (read-only home) only costs the next process its timings again (one warning)."""
     global _entries
     path = store_path()
     if path is None or not _new:
@@ -118,7 +122,12 @@ def flush() -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"format": FORMAT, "machine": machine_key(), "entries": merged}))
-    except OSError:
+    except OSError as e:
+        global _warned
+        if not _warned:
+            _warned = True
+            warnings.warn(f"cannot keep this machine's timings in {path.parent} ({e.strerror or e}): later runs time "
+                          f"them again; set ${ENV} to a writable directory, or to off")
         return
     _entries = merged
     _new.clear()

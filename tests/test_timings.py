@@ -128,3 +128,19 @@ def test_two_processes_flushing_keep_both_processes_timings(store, monkeypatch):
     projection.project(torch.randn(2, 32), torch.randn(512, 32))   # another shape, timed by "another process"
     timings.flush()
     assert len(json.loads(store.read_text())["entries"]) == 2
+
+
+def test_a_store_that_cannot_be_written_warns_once_and_decoding_goes_on(store, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(timings.ENV, str(blocker))
+    monkeypatch.setattr(timings, "_warned", False)
+    projection.project(torch.randn(2, 64), torch.randn(512, 64))
+    with pytest.warns(UserWarning, match="cannot keep this machine's timings in .*a-file.*writable directory, or to off"):
+        timings.flush()
+    projection.project(torch.randn(2, 32), torch.randn(512, 32))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timings.flush()                     # once is enough
+    assert blocker.read_text() == "not a directory"
