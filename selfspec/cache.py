@@ -58,6 +58,14 @@ class KVCache:
         """Row ``b`` as a one-sequence cache: writes go after that row's own tokens, reads see only them."""
         return RowView(self, b)
 
+    def rows(self, rows: list[int]) -> "KVCache | RowView | RowsView":
+        """Rows ``rows`` (in that order) as a cache of len(rows) rows: a forward writes each row's new
+        slots after that row's own tokens and reads slots [0, their longest + n) (the caller's mask hides
+        what lies beyond a row's own). All rows: the cache itself; one row: ``row``."""
+        if list(rows) == list(range(self.batch)):
+            return self
+        return self.row(rows[0]) if len(rows) == 1 else RowsView(self, list(rows))
+
     def select(self, rows: list[int]) -> None:
         """Keep only ``rows``, in that order (finished sequences leave the batch and stop costing work)."""
         if rows == list(range(self.batch)):
@@ -147,7 +155,7 @@ class KVCache:
                 grown[:, :, : old.shape[2]] = old
                 store[layer_idx] = grown
 
-    def _write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, rows: int | None):
+    def _write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, rows: "int | list[int] | None"):
         n = key.shape[2]
         lens = self.lengths[layer_idx] if layer_idx < len(self.lengths) else [0] * self.batch
         if rows is None:
@@ -166,6 +174,20 @@ class KVCache:
             for b in range(self.batch):
                 lens[b] += n
             return K[:, :, :top], V[:, :, :top]
+        if isinstance(rows, list):
+            if key.shape[0] != len(rows):
+                raise ValueError(f"a forward of {key.shape[0]} rows on a view of {len(rows)}")
+            top = max(lens[b] for b in rows) + n
+            self._ensure(layer_idx, key, top)
+            K, V, lens = self.keys[layer_idx], self.values[layer_idx], self.lengths[layer_idx]
+            idx = torch.tensor(rows, device=key.device)
+            bi = idx[:, None].expand(-1, n)
+            ti = torch.tensor([lens[b] for b in rows], device=key.device)[:, None] + torch.arange(n, device=key.device)
+            K[bi, :, ti] = key.transpose(1, 2)
+            V[bi, :, ti] = value.transpose(1, 2)
+            for b in rows:
+                lens[b] += n
+            return K[idx, :, :top], V[idx, :, :top]
         b = rows
         end = lens[b] + n
         self._ensure(layer_idx, key, end)
@@ -197,6 +219,27 @@ class RowView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         lens = self.cache.lengths
         return lens[layer_idx][self.index] if layer_idx < len(lens) else 0
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length, row=self.index)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.layer(index, self.index)
+
+
+class RowsView:
+    """Some rows of a ``KVCache`` as a cache of that many rows (``KVCache.rows``): a batched call for
+    the rows still drafting, while the others sit idle. Reads gather the rows (a copy)."""
+
+    def __init__(self, cache: KVCache, rows: list[int]):
+        self.cache, self.indices = cache, rows
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.cache._write(layer_idx, key, value, rows=self.indices)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        lens = self.cache.lengths
+        return max(lens[layer_idx][b] for b in self.indices) if layer_idx < len(lens) else 0
 
 
 def new_cache(batch: int = 1, capacity: int | None = None) -> KVCache:

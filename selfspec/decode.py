@@ -294,7 +294,7 @@ def decode_rows(
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
     Each row drafts with its own copy of ``drafter`` (``Drafter.draft_rows``: one call for all rows
-    where the drafter batches, Medusa's heads); one target pass
+    where the drafter batches, Medusa's heads and the eagle head's levels); one target pass
     per step verifies every row's tree; each row accepts, commits and stops on its own, and a
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
@@ -321,10 +321,10 @@ def decode_rows(
         first = int(out.logits[-1].argmax()) if not params.do_sample else int(
             sample(probs_from_logits(out.logits[-1], params), generator))
         s.ids.append(first)
-        drafters[b].begin(s, out)
         new.append(_take([first], max_new_tokens, eos_token_ids))
         if on_tokens:
             on_tokens(b, new[b])
+    drafter.begin_rows(drafters, states, outs)
     stats.target_forwards = 1
     live = [b for b in range(B) if _running(new[b], max_new_tokens, eos_token_ids)]
     _sync(dev)

@@ -152,6 +152,42 @@ def test_medusa_drafts_a_batch_in_one_call_exactly_as_row_by_row(token_input, on
     assert len({t.tree.size for t in together}) > 1     # the rows' trees differ: the check is not vacuous
 
 
+@pytest.mark.parametrize("threshold", [0.0, 0.04])
+def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshold, one_thread):
+    """``EagleDrafter.draft_rows`` (each level of every row in one head call, on one batched head cache
+    whose rows have different lengths) gives each row the tree, tokens and path probabilities that the
+    row drafting alone on its own cache gives; with a threshold, rows stop at different levels."""
+    import copy
+
+    from selfspec.decode import prefill_rows
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "t")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in heads.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
+    first = EagleDrafter(bb, heads, depth=4, expand=3, nodes=7, threshold=threshold, lookup=2, dtype=torch.float32)
+    cache = KVCache(len(prompts))
+    outs = prefill_rows(bb, cache, prompts, capture=first.capture_layers)
+    states = [DecodeState(ids=p.tolist() + [int(o.logits[-1].argmax())], cache=cache.row(b), params=GREEDY,
+                          generator=None) for b, (p, o) in enumerate(zip(prompts, outs))]
+    rows = [first] + [copy.copy(first) for _ in prompts[1:]]
+    EagleDrafter.begin_rows(rows, states, outs)
+    together = EagleDrafter.draft_rows(rows, states)
+    for s, o, got in zip(states, outs, together):
+        alone_drafter = copy.copy(first)
+        alone_drafter.begin(s, o)
+        alone = alone_drafter.draft(s)
+        assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
+        torch.testing.assert_close(got.path_p, alone.path_p)
+    assert len({tuple(t.tokens.tolist()) for t in together}) == len(prompts)   # not vacuous: the rows differ
+    if threshold:
+        assert len({t.tree.size for t in together}) > 1
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
     model = tiny_model("llama")

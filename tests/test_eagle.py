@@ -58,8 +58,11 @@ class GraftingEagle(EagleDrafter):
         super().__init__(*args, **kw)
         self.reference, self.step = reference, 0
 
-    def draft(self, state):
-        d = super().draft(state)
+    @classmethod
+    def draft_rows(cls, drafters, states):
+        return [r._grafted(d, s) for r, d, s in zip(drafters, super().draft_rows(drafters, states), states)]
+
+    def _grafted(self, d, state):
         j, self.step = self.step % 6, self.step + 1
         chain = self.reference[len(state.ids): len(state.ids) + j]
         paths, tokens = graft(d.tree.paths, d.tokens.tolist(), chain)
@@ -161,10 +164,10 @@ class MarkovEagle(EagleDrafter):
         self.corpus = None
         self.log_threshold = torch.tensor(self.threshold).log().item() if self.threshold > 0 else -float("inf")
         self.depth, self.expand, self.nodes = kw["depth"], kw["expand"], kw["nodes"]
-        self.cache, self.committed = kv.new_cache(), 0
+        self.cache, self.row, self.committed = kv.new_cache(), 0, 0
 
-    def _run(self, feature, tokens, positions, mask=None):
-        return F.one_hot(tokens, self.table.shape[0]).float()[None]
+    def _run(self, feature, tokens, positions, mask=None, rows=None):
+        return F.one_hot(tokens, self.table.shape[0]).float()
 
     def _logits(self, states):
         return self.head.logits(states)

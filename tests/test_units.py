@@ -117,6 +117,23 @@ def test_cache_rows_keep_their_own_lengths_and_paths():
     assert keys.shape == (1, 2, 8, 3) and view.get_seq_length(0) == 8 and c.lengths[0] == [7, 8]
 
 
+def test_cache_rows_view_writes_some_rows_and_leaves_the_others():
+    """``rows``: a batched forward of some rows (drafting rows while the others sit idle) writes each
+    after its own slots and reads every listed row up to the longest of them; all rows is the cache itself."""
+    c = _cache(batch=4, length=6)
+    c.set_lengths([6, 3, 5, 2])
+    assert c.rows([0, 1, 2, 3]) is c and isinstance(c.rows([2]), kv.RowView)
+    view = c.rows([3, 1])
+    k = torch.full((2, 2, 2, 3), 7.0) + torch.tensor([0.0, 10]).view(2, 1, 1, 1)
+    keys, values = view.update(k, -k, 0)
+    assert keys.shape == (2, 2, 5, 3) and view.get_seq_length(0) == 5     # rows 3 and 1, up to the longer (3 + 2)
+    assert _slots(c, 0, 3) == [3000, 3001, 7, 7] and _slots(c, 0, 1) == [1000, 1001, 1002, 17, 17]
+    assert keys[0, 0, :4, 0].tolist() == [3000, 3001, 7, 7] and values[1, 0, :5, 0].tolist() == [-1000, -1001, -1002, -17, -17]
+    assert c.lengths[0] == [6, 5, 5, 4] and c.lengths[1] == [6, 3, 5, 2]    # rows 0, 2 and layer 1 untouched
+    c.row(1).truncate(3)
+    assert c.lengths[0] == [6, 3, 5, 4] and c.lengths[1] == [6, 3, 5, 2]
+
+
 def test_static_cache_refuses_to_grow_and_dynamic_grows():
     c = _cache(length=6, capacity=8)
     with pytest.raises(ValueError, match="holds 8 positions"):

@@ -88,6 +88,13 @@ class Drafter:
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""
 
+    @classmethod
+    def begin_rows(cls, drafters: list["Drafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+        """``begin`` for a batch: ``drafters[i]`` (a copy per row) begins row i. Row by row here; a drafter
+        whose rows share batched state (the eagle head's cache) overrides it."""
+        for d, s, out in zip(drafters, states, prefills):
+            d.begin(s, out)
+
     def draft(self, state: DecodeState) -> Draft:
         raise NotImplementedError
 

@@ -27,6 +27,10 @@ with its parent's r-th largest probability instead of its own, and the tree keep
 ``expand`` best of each level (a beam, ``expand`` x ``depth`` nodes): every kept set is then
 decided by the parents' distributions alone. ``Draft.q_index`` names each node's row.
 
+A batch (``begin_rows``, ``draft_rows``): the rows' head caches are the rows of one batched cache,
+each at its own length, and each level of every row's tree runs in one head call (a row whose best
+path fell below the threshold sits that level out). Every row gets the tree it would get alone.
+
 With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the context, or where it
 has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when sampling).
 """
@@ -44,7 +48,7 @@ from ..corpus import Corpus
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
-from ..tree import additive_mask, subtree
+from ..tree import subtree
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, draft_dtype, full_vocab
 from .lookup import with_lookup
@@ -98,7 +102,8 @@ class EagleDrafter(Drafter):
         self.capture_layers = aux
         # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
         self.project = Projection(self.head.lm_head.weight)
-        self.cache = kv.new_cache()
+        self.cache = kv.new_cache()                    # the head's KV cache: this drafter's own, or a batch's (begin_rows)
+        self.row = 0                                   # this drafter's row of ``cache``
         self.committed = 0                             # head cache slots that hold committed tokens
         self.root_state: torch.Tensor | None = None    # (1, 1, H) output of the last committed slot
 
@@ -108,32 +113,45 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Slots for ``tokens`` (n,) at ``positions`` (n,) reading ``feature`` (1, n, H) -> (1, n, H) states."""
+             mask: torch.Tensor | None = None, rows: list[int] | None = None) -> torch.Tensor:
+        """Slots for ``tokens`` (R, n) at ``positions`` (R, n) reading ``feature`` (R, n, H), appended to
+        rows ``rows`` of the head cache (default: this drafter's) -> (R, n, H) output states."""
         bb = self.backbone
-        pos = positions[None]
-        return self.head(feature, bb.embed(tokens).to(self.dtype),
-                         position_embeddings=bb.rotary_emb(feature, position_ids=pos), cache=self.cache,
-                         attention_mask=mask)
+        emb = bb.embed(tokens.reshape(-1)).view(*tokens.shape, -1)
+        return self.head(feature, emb.to(self.dtype), position_embeddings=bb.rotary_emb(feature, position_ids=positions),
+                         cache=self.cache.rows([self.row] if rows is None else rows), attention_mask=mask)
 
     def _fill(self, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
         """Committed slots start.. from the target's features at ``nodes`` of a pass; tokens: the next token of each."""
         feature = self.head.fuse(torch.cat([c[:, nodes] for c in captured], dim=-1).to(self.dtype))
-        states = self._run(feature, tokens, torch.arange(start, start + tokens.shape[0], device=tokens.device))
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)[None]
+        states = self._run(feature, tokens[None], positions)
         self.root_state = states[:, -1:]
         self.committed = start + tokens.shape[0]
 
-    @torch.no_grad()
-    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        self.cache = kv.new_cache()
+    def _start(self, state: DecodeState, prefill: TargetOut) -> None:
         P = state.past_len                       # prompt positions 0..P-1; ids[P] is pending
         ids = torch.tensor(state.ids[1:P + 1], device=self.backbone.device)
         self._fill(prefill.captured, slice(None), ids, 0)
 
     @torch.no_grad()
+    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
+        self.cache, self.row = kv.new_cache(), 0
+        self._start(state, prefill)
+
+    @classmethod
+    @torch.no_grad()
+    def begin_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+        """The rows' head caches are the rows of one batched cache, so that a draft level runs all rows in one call."""
+        shared = kv.new_cache(len(drafters))
+        for b, (d, s, out) in enumerate(zip(drafters, states, prefills)):
+            d.cache, d.row = shared, b
+            d._start(s, out)
+
+    @torch.no_grad()
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         start = self.committed
-        kv.truncate(self.cache, start)           # drop this step's speculative slots
+        self.cache.row(self.row).truncate(start)    # drop this step's speculative slots
         nxt = torch.tensor(state.ids[start + 1: state.past_len + 1], device=self.backbone.device)
         self._fill(out.captured, list(accepted.path), nxt, start)
 
@@ -153,91 +171,115 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:
-        dev, P, k = self.backbone.device, state.past_len, self.expand
-        sampling = state.params.do_sample
-        # The pool of drafted nodes, node 0 = the root; children appended level by level.
-        cand, score, q = self._candidates(self._logits(self.root_state[0]), state)        # (1, k)
-        tokens = [torch.tensor([state.ids[-1]], device=dev), self._to_ids(cand[0])]
-        parents = [torch.tensor([-1], device=dev), torch.zeros(k, dtype=torch.long, device=dev)]
-        ranks = [torch.zeros(1, dtype=torch.long, device=dev), torch.arange(k, device=dev)]
-        scores = [torch.zeros(1, device=dev), score[0]]
-        qrows = [torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(k, dtype=torch.long, device=dev)]
-        q_list = [q] if sampling else []
-        level = torch.arange(1, k + 1, device=dev)            # pool ids of the newest level
-        state_of = {0: self.root_state[0]}                    # pool id -> its output state (run nodes)
-        slot_of = torch.full((1 + k,), -1, dtype=torch.long, device=dev)  # pool id -> speculative slot
-        frontiers = []
-        n = 1 + k
-        for d in range(1, self.depth):
-            lvl_scores = torch.cat(scores)[level]
-            best = torch.sort(-lvl_scores, stable=True).indices[:k]
-            top, top_scores = level[best], lvl_scores[best]                     # the level's best k
-            if self.threshold > 0 and float(top_scores[0]) < self.log_threshold:
-                break   # every deeper path scores lower still: the threshold would cut it, so draft no further
-            frontiers.append(top)
-            all_par = torch.cat(parents)
-            # Each runs in slot P + d - 1, reading its parent's output state.
-            feature = torch.stack([state_of[int(p)] for p in all_par[top].tolist()], dim=1)   # (1, k, H)
-            mask = self._tree_mask(top, all_par, slot_of, d)
-            slot_of = torch.cat([slot_of, torch.full((n - slot_of.shape[0],), -1, dtype=torch.long, device=dev)])
-            slot_of[top] = self.committed + (d - 1) * k + torch.arange(top.shape[0], device=dev)
-            states = self._run(feature, torch.cat(tokens)[top], torch.full((top.shape[0],), P + d - 1, device=dev), mask)
-            for j, node in enumerate(top.tolist()):
-                state_of[node] = states[:, j]
-            cand, score, q = self._candidates(self._logits(states[0]), state)      # (k, k)
-            m = top.shape[0] * k
-            tokens.append(self._to_ids(cand.reshape(-1)))
-            parents.append(top.repeat_interleave(k))
-            ranks.append(torch.arange(k, device=dev).repeat(top.shape[0]))
-            scores.append((top_scores[:, None] + score).reshape(-1))
-            if sampling:
-                qrows.append(len(q_list) + torch.arange(top.shape[0], device=dev).repeat_interleave(k))
-                q_list.append(q)
-            else:
-                qrows.append(torch.zeros(m, dtype=torch.long, device=dev))
-            level = torch.arange(n, n + m, device=dev)
-            n += m
-        tokens, parents, ranks = torch.cat(tokens), torch.cat(parents), torch.cat(ranks)
-        scores, qrows = torch.cat(scores), torch.cat(qrows)
+        return self.draft_rows([self], [state])[0]
 
-        if sampling:   # a beam: the best k of every level, decided by the parents' distributions alone
-            last = level[torch.sort(-scores[level], stable=True).indices[:k]]
-            keep = torch.cat(frontiers + [last])
-        else:          # EAGLE-2: the best ``nodes`` of all drafted
-            order = torch.sort(-scores[1:], stable=True).indices + 1
-            keep = order[: self.nodes]
-        if self.threshold > 0:
-            keep = keep[scores[keep].exp() >= self.threshold]
-            keep = keep[self._closed(keep, parents)]
-        keep, _ = torch.sort(keep)                     # pool order: parents before children
-        nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep])
-        tree = subtree(parents, ranks, nodes, max_depth=self.depth)
-        q_full, q_index = None, None
-        if sampling:
-            q_full = full_vocab(torch.cat(q_list), self.vocab, self.backbone.vocab_size)
-            q_index = qrows[nodes]
-        draft = Draft(tree=tree, tokens=tokens[nodes], q=q_full, q_index=q_index, path_p=scores[nodes].exp())
-        return with_lookup(draft, state, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
+    @classmethod
+    @torch.no_grad()
+    def draft_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
+        """Every row's tree, each level of all rows in one head call (the row copies share the head and,
+        after ``begin_rows``, one batched cache). Rows draw their candidates level by level, in row order
+        within a level (the generator is consumed in that order, not row after row)."""
+        return drafters[0]._grow(drafters, states)
+
+    def _grow(self, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
+        dev, k, R = self.backbone.device, self.expand, len(drafters)
+        sampling = states[0].params.do_sample
+        committed = torch.tensor([d.committed for d in drafters], device=dev)                     # (R,)
+        past = torch.tensor([s.past_len for s in states], device=dev)
+        prev = torch.cat([d.root_state for d in drafters])   # (R, m, H) output states of the last level run
+        H = prev.shape[-1]
+        # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
+        # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
+        cand, score, q = self._candidates(self._logits(prev[:, 0]), states[0])               # (R, k)
+        tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
+        parents = [torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.long, device=dev)]
+        scores = [torch.zeros(R, 1, device=dev), score.float()]
+        qs = [q[:, None]] if sampling else []     # per level (R, rows, V_draft); level 1 has one row (the root's)
+        fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
+        anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
+        start, levels, frontiers = 1, [1] * R, []
+        active = list(range(R))
+        for d in range(1, self.depth):
+            best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
+            top_scores = scores[-1].gather(1, best)
+            if self.threshold > 0:   # every deeper path of a row scores lower still: such a row drafts no further
+                active = [b for b in active if float(top_scores[b, 0]) >= self.log_threshold]
+                if not active:
+                    break
+            top = start + best                                                                  # (R, k) pool ids
+            frontiers.append(top)
+            a = torch.tensor(active, device=dev)
+            top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))               # (R, k, d - 1)
+            # Each runs in slot past + d - 1, reading its parent's output state.
+            feature = prev.gather(1, fidx.gather(1, best)[..., None].expand(-1, -1, H))          # (R, k, H)
+            run = self._run(feature[a], tokens[-1].gather(1, best)[a], (past[a] + d - 1)[:, None].expand(-1, k),
+                            self._level_mask(committed[a], top_anc[a], d), rows=[drafters[b].row for b in active])
+            prev = run.new_zeros(R, k, H).index_copy_(0, a, run)
+            cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
+            A = len(active)
+            tokens.append(torch.zeros(R, k * k, dtype=torch.long, device=dev).index_copy_(
+                0, a, self._to_ids(cand).reshape(A, k * k)))
+            parents.append(top.repeat_interleave(k, dim=1))
+            scores.append(torch.full((R, k * k), -math.inf, device=dev).index_copy_(
+                0, a, (top_scores[a][:, :, None] + score.float().view(A, k, k)).reshape(A, k * k)))
+            if sampling:
+                qs.append(q.new_zeros(R, k, q.shape[-1]).index_copy_(0, a, q.view(A, k, -1)))
+            fidx = torch.arange(k, device=dev).repeat_interleave(k)[None].expand(R, -1)
+            own = torch.arange(k, device=dev)[None, :, None].expand(R, k, 1)
+            anc = torch.cat([top_anc, own], dim=2).repeat_interleave(k, dim=1)
+            start += tokens[-2].shape[1]
+            for b in active:
+                levels[b] += 1
+        tokens, parents, scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+        ranks = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.arange(k, device=dev)]
+                          + [torch.arange(k, device=dev).repeat(k)] * (len(frontiers)))
+        # Each node's q row: level 1's is the root's (row 0); a child of place j in level d's run, 1 + (d - 1) k + j.
+        qrows = torch.cat([torch.zeros(1 + k, dtype=torch.long, device=dev)]
+                          + [1 + d * k + torch.arange(k, device=dev).repeat_interleave(k) for d in range(len(frontiers))])
+        q_all = torch.cat(qs, 1) if sampling else None
+        drafts = []
+        for b, s in enumerate(states):
+            L = levels[b]
+            n = 1 + k + (L - 1) * k * k                 # this row's pool
+            score_b, parents_b = scores[b, :n], parents[b, :n]
+            if sampling:   # a beam: the best k of every level, decided by the parents' distributions alone
+                lvl = torch.arange(n - (k if L == 1 else k * k), n, device=dev)
+                last = lvl[torch.sort(-score_b[lvl], stable=True).indices[:k]]
+                keep = torch.cat([f[b] for f in frontiers[: L - 1]] + [last])
+            else:          # EAGLE-2: the best ``nodes`` of all drafted
+                keep = torch.sort(-score_b[1:], stable=True).indices[: self.nodes] + 1
+            if self.threshold > 0:
+                keep = keep[score_b[keep].exp() >= self.threshold]
+                keep = keep[self._closed(keep, parents_b)]
+            keep, _ = torch.sort(keep)                     # pool order: parents before children
+            nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep])
+            tree = subtree(parents_b, ranks[:n], nodes, max_depth=self.depth)
+            q_full, q_index = None, None
+            if sampling:
+                q_full = full_vocab(q_all[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
+                q_index = qrows[nodes]
+            draft = Draft(tree=tree, tokens=tokens[b, nodes], q=q_full, q_index=q_index, path_p=score_b[nodes].exp())
+            drafts.append(with_lookup(draft, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus))
+        return drafts
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
         return self.project(self.head.norm(states))
 
-    def _tree_mask(self, top: torch.Tensor, parents: torch.Tensor, slot_of: torch.Tensor, d: int) -> torch.Tensor:
-        """(1, 1, k, T) additive mask: committed slots, each node's drafted ancestors' slots and its own."""
-        k = top.shape[0]
-        spec = (d - 1) * self.expand                    # speculative slots already in the cache
-        T = self.committed + spec + k
-        visible = torch.zeros(k, T, dtype=torch.bool, device=top.device)
-        visible[:, : self.committed] = True
-        visible[torch.arange(k), self.committed + spec + torch.arange(k)] = True
-        up = parents[top]
-        for _ in range(d - 1):                          # ancestors at levels d-1 .. 1
-            s = slot_of[up.clamp(min=0)]
-            ok = (up > 0) & (s >= 0)
-            visible[torch.arange(k, device=top.device)[ok], s[ok]] = True
-            up = torch.where(up > 0, parents[up.clamp(min=0)], up)
-        return additive_mask(visible, self.root_state.dtype)
+    def _level_mask(self, committed: torch.Tensor, anc: torch.Tensor, d: int) -> torch.Tensor:
+        """(A, 1, k, T) additive mask for level d's run of A rows: each row's committed slots, each node's
+        drafted ancestors' slots (anc: (A, k, d - 1), their places in levels 1 .. d - 1) and its own."""
+        A, k = anc.shape[:2]
+        spec = (d - 1) * self.expand                     # speculative slots already in each row's cache
+        T = int(committed.max()) + spec + k
+        dev = committed.device
+        visible = (torch.arange(T, device=dev)[None, None, :] < committed[:, None, None]).expand(A, k, T).clone()
+        slots = committed[:, None, None] + torch.cat(
+            [torch.arange(d - 1, device=dev)[None, None, :] * self.expand + anc,
+             torch.full((A, k, 1), spec, device=dev) + torch.arange(k, device=dev)[None, :, None]], dim=2)
+        visible.scatter_(2, slots, True)
+        dtype = self.root_state.dtype
+        return torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill(~visible, torch.finfo(dtype).min)[:, None]
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
