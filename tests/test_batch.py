@@ -188,6 +188,52 @@ def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshol
         assert len({t.tree.size for t in together}) > 1
 
 
+@pytest.mark.parametrize("adapter", ["mlp", "layer"])
+def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_row(adapter, one_thread):
+    """``EarlyExitDrafter.draft_rows`` (one call of layers[0:E] and the exit head per chain step for every
+    row still drafting, each row writing after its own slots) gives each row the tree, tokens and saved
+    states it gets drafting alone; the confidence threshold stops rows at different depths."""
+    import copy
+
+    from selfspec.decode import prefill_rows
+
+    model = tiny_model("llama", num_hidden_layers=6)
+    bb = Backbone(model)
+    heads = untrained_heads("early-exit", model, "t", exit_layer=3, adapter=adapter)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in heads.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
+
+    def start(batch):
+        cache = KVCache(len(batch))
+        outs = prefill_rows(bb, cache, batch, capture=(3,) if adapter == "layer" else ())
+        return [DecodeState(ids=p.tolist() + [int(o.logits[-1].argmax())], cache=cache.row(b), params=GREEDY,
+                            generator=None) for b, (p, o) in enumerate(zip(batch, outs))], outs
+
+    depths = set()
+    for threshold in (0.0, 0.002, 0.005, 0.01):
+        first = EarlyExitDrafter(bb, heads, build_tree(chain_with_siblings(4, 2)), threshold=threshold)
+        states, outs = start(prompts)
+        rows = [first] + [copy.copy(first) for _ in prompts[1:]]
+        EarlyExitDrafter.begin_rows(rows, states, outs)
+        together = EarlyExitDrafter.draft_rows(rows, states)
+        for p, got, row in zip(prompts, together, rows):
+            (s,), (o,) = start([p])                     # the row alone, on its own cache
+            alone_drafter = copy.copy(first)
+            alone_drafter.begin(s, o)
+            alone = alone_drafter.draft(s)
+            assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
+            assert row.drafted == alone_drafter.drafted
+            torch.testing.assert_close(got.resume.hidden, alone.resume.hidden, atol=1e-5, rtol=1e-4)
+            if adapter == "layer":                      # the adapter's cache row, drafted slots included
+                for mine, own in zip(row.adapter_cache.layer(0, row.row), alone_drafter.adapter_cache.layer(0)):
+                    torch.testing.assert_close(mine, own, atol=1e-5, rtol=1e-4)
+        depths.add(tuple(t.resume.hidden.shape[1] for t in together))
+    assert any(len(set(d)) > 1 for d in depths)   # not vacuous: some threshold stopped rows at different depths
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
     model = tiny_model("llama")

@@ -16,6 +16,11 @@ whose very first draft is doubtful proposes nothing: the verifier then runs only
 the pending token, whose layers[0:E] the draft already ran, so it costs one plain step plus
 the exit head, and never the half step a rejected draft would waste in verification.
 
+A batch (``draft_rows``): each chain step runs layers[0:E] and the exit head once for every row
+still drafting, one token a row, each written after that row's own slots of the target's batched
+cache (and of the layer adapter's, ``begin_rows``); a row whose chain lost confidence sits the later
+steps out. Every row gets the chain it would get alone.
+
 Exit adapters: a residual MLP is stateless. A decoder-layer adapter attends over earlier
 positions, so it keeps its own one-layer KV cache with the same invariant as the target's
 (every committed token but the pending one): filled from the prompt's layer-E states at
@@ -59,23 +64,40 @@ class EarlyExitDrafter(Drafter):
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.stateful = isinstance(heads.module, ExitLayerHead)
         self.capture_layers = (exit_layer,) if self.stateful else ()
-        self.adapter_cache = kv.new_cache()
+        self.adapter_cache = kv.new_cache()   # a layer adapter's own cache: this drafter's, or a batch's (begin_rows)
+        self.row = 0                          # this drafter's row of ``adapter_cache``
         self.drafted = 0  # chain nodes the last draft ran through layers[0:E] (root included)
 
-    def _adapt(self, h: torch.Tensor, start: int) -> torch.Tensor:
-        """Exit adapter on layer-E states (1, n, H) at positions start.. ; a layer adapter appends its KV."""
+    def _adapt(self, h: torch.Tensor, positions: torch.Tensor, rows: list[int] | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Exit adapter on layer-E states (R, n, H) at ``positions`` (R, n); a layer adapter appends its KV
+        to rows ``rows`` of its cache (default: this drafter's). No mask: n == 1 sees the row's whole
+        cache; n > 1 only on an empty cache (prefill: causal)."""
         if not self.stateful:
             return self.heads.module(h)
-        pos = torch.arange(start, start + h.shape[1], device=h.device)[None]
-        # No mask: n == 1 sees its whole cache; n > 1 only at prefill, on an empty cache (causal).
-        return self.heads.module(h, position_embeddings=self.backbone.rotary_emb(h, position_ids=pos),
-                                 position_ids=pos, cache=self.adapter_cache)
+        return self.heads.module(h, position_embeddings=self.backbone.rotary_emb(h, position_ids=positions),
+                                 position_ids=positions, attention_mask=mask,
+                                 cache=self.adapter_cache.rows([self.row] if rows is None else rows))
+
+    def _positions(self, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n, device=self.backbone.device)[None]
 
     @torch.no_grad()
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         if self.stateful:
-            self.adapter_cache = kv.new_cache()
-            self._adapt(prefill.captured[0], 0)
+            self.adapter_cache, self.row = kv.new_cache(), 0
+            self._adapt(prefill.captured[0], self._positions(0, prefill.captured[0].shape[1]))
+
+    @classmethod
+    @torch.no_grad()
+    def begin_rows(cls, drafters: list["EarlyExitDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+        """A layer adapter's per-row caches are the rows of one batched cache (one call per chain step for all rows)."""
+        if not drafters[0].stateful:
+            return
+        shared = kv.new_cache(len(drafters))
+        for b, (d, out) in enumerate(zip(drafters, prefills)):
+            d.adapter_cache, d.row = shared, b
+            d._adapt(out.captured[0], d._positions(0, out.captured[0].shape[1]))
 
     @torch.no_grad()
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
@@ -84,33 +106,64 @@ class EarlyExitDrafter(Drafter):
         past = state.past_len - len(accepted.path)     # the cache length before this step
         # Drafting ran the adapter on chain nodes 0..m-1; the path is 0, 1, .., j (+ a sibling leaf).
         seen = sum(1 for node in accepted.path if node < self.drafted)
-        kv.truncate(self.adapter_cache, past + seen)
+        self.adapter_cache.row(self.row).truncate(past + seen)
         missing = list(accepted.path[seen:])            # at most one node: chain node k or a leaf
         if missing:
-            self._adapt(out.captured[0][:, missing], past + seen)
+            self._adapt(out.captured[0][:, missing], self._positions(past + seen, len(missing)))
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:
-        bb, E, k = self.backbone, self.exit_layer, self.tree.depth
-        past, tok = state.past_len, state.ids[-1]
-        hiddens, rows, qs, confs = [], [], [], []
-        chain_conf = 1.0
+        return self.draft_rows([self], [state])[0]
+
+    @classmethod
+    @torch.no_grad()
+    def draft_rows(cls, drafters: list["EarlyExitDrafter"], states: list[DecodeState]) -> list[Draft]:
+        """Every row's chain, one call of layers[0:E] (and the exit head) per chain step for all rows
+        still drafting; each row writes its KV after its own slots of the target's batched cache."""
+        return drafters[0]._chains(drafters, states)
+
+    def _chains(self, drafters: list["EarlyExitDrafter"], states: list[DecodeState]) -> list[Draft]:
+        bb, E, k, R = self.backbone, self.exit_layer, self.tree.depth, len(states)
+        target = states[0].cache.cache                       # the target's KVCache; each state holds a row of it
+        rows = [s.cache.index for s in states]
+        past = torch.tensor([s.past_len for s in states], device=bb.device)
+        tok = torch.tensor([s.ids[-1] for s in states], device=bb.device)
+        hiddens, cands = [[] for _ in range(R)], [[] for _ in range(R)]
+        chain_conf = torch.ones(R, dtype=torch.float64)
+        active = list(range(R))
         for j in range(k):
-            # One token through layers[0:E]; its KV for those layers lands in the shared cache.
-            # No mask: the query is the newest position and may see every cached one.
-            h = bb.run_layers(bb.embed(torch.tensor([tok], device=bb.device)), start=0, end=E,
-                              position_ids=torch.tensor([[past + j]], device=bb.device),
-                              attention_mask=None, cache=state.cache)          # (1, 1, H)
-            hiddens.append(h)
-            z = self.project(bb.final_norm(self._adapt(h, past + j)[0]))  # (1, V_draft)
-            cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=state)
-            rows.append(cand.tokens)
-            qs.append(cand.q)
-            confs.append(cand.conf)
-            chain_conf *= float(cand.conf[0, 0])                  # same product tree.prune takes
-            if chain_conf < self.threshold:
-                break      # the next chain node is too doubtful to pay for another half step
-            tok = int(cand.tokens[0, 0])  # the chain continues with the best (greedy) or first-drawn candidate
+            a = torch.tensor(active, device=bb.device)
+            pos = (past[a] + j)[:, None]                                                      # (A, 1)
+            mask = None
+            if len(active) > 1:   # rows of different lengths: each query sees its own row's slots and itself
+                T = int(pos.max()) + 1
+                visible = torch.arange(T, device=bb.device)[None] <= pos
+                mask = torch.zeros(visible.shape, dtype=bb.dtype, device=bb.device).masked_fill(
+                    ~visible, torch.finfo(bb.dtype).min)[:, None, None]                      # (A, 1, 1, T)
+            # One token a row through layers[0:E]; their KV for those layers lands in the shared cache.
+            h = bb.run_layers(bb.embed_tokens(tok[a][:, None]), start=0, end=E, position_ids=pos, attention_mask=mask,
+                              cache=target.rows([rows[b] for b in active]))                      # (A, 1, H)
+            adapted = self._adapt(h, pos, rows=[drafters[b].row for b in active], mask=mask)
+            z = self.project(bb.final_norm(adapted[:, 0]))                                     # (A, V_draft)
+            cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=states[0])
+            still = []
+            for i, b in enumerate(active):
+                hiddens[b].append(h[i:i + 1])
+                cands[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], cand.conf[i:i + 1]))
+                chain_conf[b] *= float(cand.conf[i, 0])                  # same product tree.prune takes
+                if chain_conf[b] >= self.threshold:
+                    still.append(b)   # else the next chain node is too doubtful to pay for another half step
+            tok = tok.index_copy(0, a, cand.tokens[:, 0])  # chains continue with the best (greedy) or first-drawn candidate
+            active = still
+            if not active:
+                break
+        return [d._draft_from(s, h, c) for d, s, h, c in zip(drafters, states, hiddens, cands)]
+
+    def _draft_from(self, state: DecodeState, hiddens: list[torch.Tensor], cands: list) -> Draft:
+        """One row's draft from the chain it ran: layer-E states and candidates per depth drafted."""
+        k = self.tree.depth
+        rows = [c[0] for c in cands]
+        confs = [c[2] for c in cands]
         pad = k - len(rows)  # depths never drafted: zero confidence, pruned below
         tokens_rows = torch.cat(rows + [rows[0].new_zeros(pad, self.width)])
         tree = pruned(self.tree, torch.cat(confs + [confs[0].new_zeros(pad, self.width)]), self.threshold)
@@ -118,5 +171,5 @@ class EarlyExitDrafter(Drafter):
         assert tree.paths[: len(hiddens) - 1] == self.tree.paths[: len(hiddens) - 1] and tree.size >= len(hiddens)
         tokens = layout(tree, state.ids[-1], tokens_rows)
         self.drafted = len(hiddens)
-        q = torch.cat(qs) if state.params.do_sample else None
-        return Draft(tree=tree, tokens=tokens, q=q, resume=Resume(layer=E, hidden=torch.cat(hiddens, dim=1)))
+        q = torch.cat([c[1] for c in cands]) if state.params.do_sample else None
+        return Draft(tree=tree, tokens=tokens, q=q, resume=Resume(layer=self.exit_layer, hidden=torch.cat(hiddens, dim=1)))
