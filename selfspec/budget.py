@@ -32,6 +32,7 @@ import statistics
 import time
 import weakref
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from .backbone import Backbone, config_fingerprint
 from .cache import KVCache
 from .drafters.base import Draft, prior_path_p
 from .tree import subtree, tree_from_parents
+
+if TYPE_CHECKING:
+    from .step import StaticStep
 
 
 def path_p(draft: Draft) -> torch.Tensor:
@@ -82,10 +86,11 @@ def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:
                  path_p=None if draft.path_p is None else draft.path_p[keep.to(draft.path_p.device)])
 
 
-def fit_width(drafts: list[Draft], cost: "VerifyCost", widest: int) -> list[Draft]:
-    """Every row's draft cut to the width ``cost`` picks for the batch (``VerifyCost.width``)."""
+def fit_width(drafts: list[Draft], cost: "VerifyCost", widest: int, rows: int | None = None) -> list[Draft]:
+    """Every row's draft cut to the width ``cost`` picks for the batch (``VerifyCost.width``); ``rows``:
+    how many rows the pass runs (default: one per draft; a static step also runs its idle rows)."""
     chances = [path_p(d) for d in drafts]
-    w = cost.width([c[1:] for c in chances], widest)
+    w = cost.width([c[1:] for c in chances], widest, rows)
     return [trim(d, w, c) for d, c in zip(drafts, chances)]
 
 
@@ -99,13 +104,21 @@ class VerifyCost:
     decoding's own steps measure (``observe``; the fastest of a shape's last few steps) replaces it
     where seen, and rescales it where not (a
     real context is longer than the scratch one, and a step does more than its pass). A curve that
-    dips (a CPU BLAS can run 6 rows faster than 3) is flattened: a wider pass is never assumed cheaper."""
+    dips (a CPU BLAS can run 6 rows faster than 3) is flattened: a wider pass is never assumed cheaper.
+
+    With ``step`` (a ``StaticStep``, ``compile=True``) a pass costs what its bucket costs (``step.bucket``:
+    a tree of 2 nodes runs padded to 4), so the prior times each bucket once through the step itself
+    (its compiled graphs: the rows, capacity and ``capture`` decoding uses), never at other row counts,
+    and widths are explored bucket by bucket."""
 
     RECENT = 3          # a (rows, width)'s estimate: the fastest of its last RECENT steps (load only adds time)
     EXPLORE_EVERY = 16  # every so many steps at a row count, a neighbour of the best width is verified
 
-    def __init__(self, backbone: Backbone, *, context: int = 32, sweeps: int = 3, widths: tuple[int, ...] = (1, 2)):
+    def __init__(self, backbone: Backbone, *, context: int = 32, sweeps: int = 3, widths: tuple[int, ...] = (1, 2),
+                 step: "StaticStep | None" = None, capture: tuple[int, ...] = ()):
         self.backbone = backbone
+        self.step = step                                     # a static step: costs by bucket, timed through it
+        self.capture = tuple(capture)                        # what the step's passes capture (part of its graph)
         self.context = context
         self.sweeps = sweeps
         self.widths = widths                                 # timed for the prior, with the widest
@@ -119,22 +132,34 @@ class VerifyCost:
         """(rows, width) -> the estimate of a real step's seconds, for every pair seen."""
         return {k: min(v) for k, v in self._seen.items()}
 
-    def width(self, chances: list[torch.Tensor], widest: int) -> int:
-        """The width to verify this step for rows with these node ``chances`` (root excluded):
-        ``best_width`` on this table, except every ``EXPLORE_EVERY``-th step at a row count, which
-        takes a neighbour of it (wider, then narrower next time) so that it is measured again."""
-        rows = len(chances)
+    def width(self, chances: list[torch.Tensor], widest: int, rows: int | None = None) -> int:
+        """The width to verify this step for rows with these node ``chances`` (root excluded), in a pass
+        of ``rows`` rows (default: one per row of chances): ``best_width`` on this table, except every
+        ``EXPLORE_EVERY``-th step at a row count, which takes a neighbour of it (wider, then narrower
+        next time; a neighbouring bucket with a static step) so that it is measured again."""
+        rows = len(chances) if rows is None else rows
         w = best_width(chances, self.table(rows, widest))
         n = self._steps[rows] = self._steps.get(rows, 0) + 1
         if n % self.EXPLORE_EVERY == 0:
             top = min(widest, 1 + max((c.numel() for c in chances), default=0))
-            w = min(max(w + (1 if (n // self.EXPLORE_EVERY) % 2 else -1), 1), top)
+            choices = sorted({min(self._shape(x), top) for x in range(1, top + 1)})   # widths of distinct cost
+            i = next((j for j, c in enumerate(choices) if c >= w), len(choices) - 1)
+            w = choices[min(max(i + (1 if (n // self.EXPLORE_EVERY) % 2 else -1), 0), len(choices) - 1)]
         return w
+
+    def _shape(self, width: int) -> int:
+        """The width a pass of ``width`` nodes per row actually runs at (its bucket with a static step)."""
+        if self.step is None:
+            return width
+        from .step import bucket   # step imports decode, which imports this module
+
+        return bucket(width)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A decoding step of ``rows`` rows at ``width`` took ``seconds``. The first step at a shape is
-        not counted: it pays one-off costs (product layouts timed for a new row count, allocations),
-        and a width that looked that slow would never be chosen, so never measured again."""
+        not counted: it pays one-off costs (product layouts timed for a new row count, allocations,
+        a compilation), and a width that looked that slow would never be chosen, so never measured again."""
+        width = self._shape(width)
         if (rows, width) not in self._met:
             self._met.add((rows, width))
             return
@@ -142,19 +167,25 @@ class VerifyCost:
 
     def table(self, rows: int, width: int) -> list[float]:
         """cost[w - 1] for w = 1 .. width at ``rows`` rows."""
-        lo = 1 << (rows.bit_length() - 1)
-        hi = lo if lo == rows else lo * 2
-        a, b = self._curve(lo, width), self._curve(hi, width)
-        f = 0.0 if hi == lo else (rows - lo) / (hi - lo)
-        prior = [x + f * (y - x) for x, y in zip(a, b)]
-        seen = {w: min(self._seen[rows, w]) for w in range(1, width + 1) if (rows, w) in self._seen}
+        if self.step is not None:    # the static step's rows are fixed: timed at exactly these
+            prior = self._curve(rows, width)
+        else:
+            lo = 1 << (rows.bit_length() - 1)
+            hi = lo if lo == rows else lo * 2
+            a, b = self._curve(lo, width), self._curve(hi, width)
+            f = 0.0 if hi == lo else (rows - lo) / (hi - lo)
+            prior = [x + f * (y - x) for x, y in zip(a, b)]
+        seen = {w: min(self._seen[rows, self._shape(w)]) for w in range(1, width + 1)
+                if (rows, self._shape(w)) in self._seen}
         scale = statistics.median(seen[w] / prior[w - 1] for w in seen) if seen else 1.0
         return _flattened([seen.get(w, scale * prior[w - 1]) for w in range(1, width + 1)])
 
     def _curve(self, rows: int, width: int) -> list[float]:
         timed = self._timed.get(rows, {})
-        if max(timed, default=0) < width:
+        if max(timed, default=0) < self._shape(width):
             timed = self._timed[rows] = self._time(rows, width)
+        if self.step is not None:
+            return _flattened([timed[self._shape(w)] for w in range(1, width + 1)])
         ws = sorted(timed)
         out = []
         for w in range(1, width + 1):
@@ -171,6 +202,8 @@ class VerifyCost:
         from .decode import _sync, prefill_rows, verify_rows   # decode imports this module
 
         bb, dev = self.backbone, self.backbone.device
+        if self.step is not None:
+            return self._time_step(rows, width)
         widths = sorted({w for w in self.widths if w < width} | {width})
         key = None
         if dev.type == "cpu":   # kept for later processes on this machine (timings.py)
@@ -204,6 +237,39 @@ class VerifyCost:
         if key is not None:
             timings.put(key, [[w, t] for w, t in out.items()])
         return out
+
+
+    @torch.no_grad()
+    def _time_step(self, rows: int, width: int) -> dict[int, float]:
+        """Each bucket up to ``width``'s, through the static step (run once untimed first: a bucket not yet
+        compiled compiles then). Not kept between processes: a compiled pass's speed is the compiler's."""
+        from .decode import _sync, prefill_rows
+        from .step import BUCKETS
+
+        bb, dev, step = self.backbone, self.backbone.device, self.step
+        shapes = [b for b in BUCKETS if b < self._shape(width)] + [self._shape(width)]
+        gen = torch.Generator().manual_seed(0)
+        cache = KVCache(rows, capacity=step.reserve(self.context + 1))
+        prefill_rows(bb, cache, [torch.randint(1, bb.vocab_size, (self.context,), generator=gen).to(dev)
+                                 for _ in range(rows)])
+        pasts, every = [self.context] * rows, list(range(rows))
+        empty = [torch.zeros(0, dtype=torch.long)] * rows
+        drafts = {}
+        for w in shapes:
+            parents = torch.arange(-1, w - 1, device=dev)
+            tree = tree_from_parents(parents, torch.zeros(w, dtype=torch.long, device=dev), max_depth=w - 1)
+            drafts[w] = [Draft(tree=tree, tokens=torch.randint(1, bb.vocab_size, (w,), generator=gen).to(dev))] * rows
+        seconds: dict[int, list[float]] = {w: [] for w in shapes}
+        for sweep in range(self.sweeps + 1):
+            for w in shapes:
+                _sync(dev)
+                t = time.perf_counter()
+                step.verify(bb, cache, pasts, drafts[w], rows=every, capture=self.capture)
+                _sync(dev)
+                if sweep:
+                    seconds[w].append(time.perf_counter() - t)
+                cache.keep(pasts, empty)
+        return {w: statistics.median(s) for w, s in seconds.items()}
 
 
 def _flattened(costs: list[float]) -> list[float]:

@@ -299,7 +299,8 @@ def decode_rows(
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
     that the shapes (and the compiled graphs) never change. With ``cost`` (greedy), each step's trees
-    are cut to the width the step's pass is worth (``budget.fit_width``). Returns (new tokens per row,
+    are cut to the width the step's pass is worth (``budget.fit_width``; with ``step``, a ``VerifyCost``
+    built on that step, which prices its buckets). Returns (new tokens per row,
     stats summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
@@ -335,8 +336,8 @@ def decode_rows(
         rows = [states[b] for b in live]
         t1 = time.perf_counter()
         drafts = drafter.draft_rows([drafters[b] for b in live], rows)              # DRAFT
-        if cost is not None and not params.do_sample:
-            drafts = fit_width(drafts, cost, drafter.max_nodes)                     # (the width worth verifying)
+        if cost is not None and not params.do_sample:                               # (the width worth verifying)
+            drafts = fit_width(drafts, cost, drafter.max_nodes, rows=None if step is None else B)
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
@@ -347,7 +348,7 @@ def decode_rows(
         _sync(dev)
         t3 = time.perf_counter()
         if cost is not None:
-            cost.observe(len(live), max(d.tree.size for d in drafts), t3 - t2)
+            cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts), t3 - t2)
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.target_forwards += 1

@@ -163,6 +163,7 @@ class SelfSpeculativeModel:
             raise ValueError(f"fit_width must be True or False (got {fit_width!r})")
         self.fit_width = fit_width
         self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
+        self._step_cost: VerifyCost | None = None   # width fitting's prices for the static step (compile=True)
         device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
@@ -221,11 +222,11 @@ class SelfSpeculativeModel:
         target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
         "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
-        pay the compilation (tens of seconds on CPU). fit_width: greedy and not compiled, each step verifies
+        pay the compilation (tens of seconds on CPU). fit_width: greedy, each step verifies
         every row's tree cut to the width the pass is worth: the most expected tokens per second, from the
         draft's probabilities and the pass's cost on this machine (timed on first use, about a second on a
-        CPU, once per process, then learned from the steps); False verifies whole trees. Output is
-        unchanged either way.
+        CPU, once per process, then learned from the steps; compiled, each of the step's padded sizes is
+        timed through the step); False verifies whole trees. Output is unchanged either way.
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
@@ -368,6 +369,8 @@ class SelfSpeculativeModel:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         on_tokens = (lambda _row, toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
+        if self.step is not None:   # the static cache's size now, so that the cost prior times the shapes decoding runs
+            self.step.reserve(longest + int(max_new))
         cost = self._cost(len(prompts))
         if cost is not None and len(prompts) not in self._tuned_batches:
             # Time the product layouts and the pass's cost prior now, not inside the steps whose times the
@@ -391,17 +394,21 @@ class SelfSpeculativeModel:
         no later call pays for it; decoding otherwise times each on first use. What an earlier
         process on this machine timed is read back instead, and what this one times is kept (timings.py)."""
         tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
-        self._tuned_batches.update(range(1, batch + 1))
+        self._tuned_batches.update(range(1, batch + 1) if self.step is None else (batch,))
         cost = self._cost(batch)
-        with self.linears:
-            for rows in range(1, batch + 1) if cost is not None else ():
+        with self.linears:   # a static step always runs all ``batch`` rows
+            for rows in (() if cost is None else (batch,) if self.step is not None else range(1, batch + 1)):
                 cost.table(rows, self.drafter.max_nodes)
         timings.flush()
 
     def _cost(self, rows: int) -> VerifyCost | None:
         """What prices a batch's verification passes for width fitting; None where it does not apply."""
-        if not self.fit_width or rows < 1 or self.step is not None or self.drafter.max_nodes < 2:
+        if not self.fit_width or rows < 1 or self.drafter.max_nodes < 2:
             return None
+        if self.step is not None:   # priced by bucket, through the step's own (compiled) passes
+            if self._step_cost is None:
+                self._step_cost = VerifyCost(self.backbone, step=self.step, capture=self.drafter.capture_layers)
+            return self._step_cost
         return verify_cost(self.backbone)
 
     def __repr__(self) -> str:

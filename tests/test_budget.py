@@ -125,6 +125,52 @@ def test_a_width_spoiled_by_a_spike_is_measured_again():
     assert last.count(4) >= len(last) - 1, f"exploration should climb back to the best width (chose {last})"
 
 
+class _TimedStep(VerifyCost):
+    """A static step's VerifyCost whose prior is a formula: bucket b costs b seconds at any row count."""
+
+    def __init__(self):
+        super().__init__(backbone=None, step=object())
+        self.timings = []
+
+    def _time(self, rows, width):
+        self.timings.append((rows, width))
+        return {b: float(b) for b in (1, 4, 16) if b <= max(16, width)}
+
+
+def test_a_static_step_is_priced_by_bucket_and_explored_bucket_by_bucket():
+    cost = _TimedStep()
+    assert cost.table(3, 13) == [1.0] + [4.0] * 3 + [16.0] * 9        # a width costs its bucket (1, 4, 16)
+    assert cost.timings == [(3, 13)]                                   # at exactly the step's rows
+    for w, seconds in ((3, 1.5), (1, 1.0)):
+        cost.observe(3, w, 0.0)                                        # (a shape's first step is ignored)
+        cost.observe(3, w, seconds)                                    # widths 2-4 run as bucket 4: one estimate
+    assert cost.table(3, 13) == [1.0, 1.5, 1.5, 1.5] + [6.0] * 9       # bucket 16 rescaled (median seen/prior)
+    # Worth bucket 4: 3 + 2.4 tokens in 1.5 s beats 3 tokens in 1 s and 3 + 6.9 in 6 s.
+    chances = [torch.tensor([0.9, 0.8, 0.7] + [0.5] * 9)] + [torch.tensor([])] * 2
+    chosen = [cost.width(chances, 13) for _ in range(2 * VerifyCost.EXPLORE_EVERY)]
+    assert set(chosen) - {4} == {13, 1}     # exploring: the next bucket up (cut to the widest tree), then down
+    assert chosen[VerifyCost.EXPLORE_EVERY - 1] == 13 and chosen[-1] == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_static_step_width_fitting_keeps_every_row_exact(arch, one_thread):
+    """``compile=True``'s pass (here uncompiled: the same static shapes) with width fitting: the prior
+    times each bucket through the step with the drafter's capture, steps are cut, every row exact."""
+    from selfspec.step import BUCKETS, StaticStep
+
+    model, bb, prompts, ref, drafters = every_drafter(arch)
+    for drafter in drafters:
+        if drafter.max_nodes < 2:
+            continue
+        step = StaticStep(bb, compile=False)
+        cost = VerifyCost(bb, step=step, capture=drafter.capture_layers, context=8, sweeps=1)
+        new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=N_NEW, eos_token_ids=set(),
+                             generator=None, step=step, cost=cost)
+        assert new == ref, f"{arch} {drafter.name}: a row differs from its prompt decoded alone"
+        shapes = {w for _, w in cost.observed} | {w for _, w in cost._met}
+        assert shapes <= set(BUCKETS) and {r for r, _ in cost._met} == {len(prompts)}
+
+
 class _Cycling:
     """A cost table whose steepness cycles, so that steps choose every width from 1 up."""
 
@@ -136,7 +182,7 @@ class _Cycling:
         slope = (0.0, 0.3, 1.0, 5.0)[self.calls % 4]
         return [1.0 + slope * (w - 1) for w in range(1, width + 1)]
 
-    def width(self, chances, widest):
+    def width(self, chances, widest, rows=None):
         return best_width(chances, self.table(len(chances), widest))
 
     def observe(self, rows, width, seconds):

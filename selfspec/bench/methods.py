@@ -181,14 +181,15 @@ def build_methods(
 
         def prepare(positions: int, batch_sizes=(1,)) -> None:
             """Before anything is timed: eager, time every product layout the run's batches can meet;
-            compiled, size the static cache for the run and compile every tree bucket the drafter can
-            fill, at every batch size the run has."""
+            compiled, size the static cache for the run, compile every tree bucket the drafter can
+            fill at every batch size the run has, and time those buckets for width fitting."""
             if sm.step is None:
                 sm.tune_layouts(max(batch_sizes))
                 return
             sm.step.reserve(positions)
             for b in batch_sizes:
                 sm.step.warm_up(batch=b, max_nodes=sm.drafter.max_nodes, capture=sm.drafter.capture_layers)
+                sm.tune_layouts(b)
         fn.prepare = prepare
         return fn
 
