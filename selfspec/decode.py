@@ -333,9 +333,9 @@ def decode_rows(
 
     while live:
         live = _shrink(cache, states, live) if step is None else live
-        rows = [states[b] for b in live]
+        rows, live_drafters = [states[b] for b in live], [drafters[b] for b in live]
         t1 = time.perf_counter()
-        drafts = drafter.draft_rows([drafters[b] for b in live], rows)              # DRAFT
+        drafts = drafter.draft_rows(live_drafters, rows)                            # DRAFT
         if cost is not None and not params.do_sample:                               # (the width worth verifying)
             drafts = fit_width(drafts, cost, drafter.max_nodes, rows=None if step is None else B)
         _sync(dev)
@@ -343,8 +343,7 @@ def decode_rows(
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
         accepted = accept_rows(drafts, outs, params, generator)                      # ACCEPT
         committed = commit_rows(cache, rows, drafts, accepted)                       # COMMIT
-        for b, a, out in zip(live, accepted, outs):
-            drafters[b].commit(states[b], a, out)
+        drafter.commit_rows(live_drafters, rows, accepted, outs)                    # (each row's drafter state)
         _sync(dev)
         t3 = time.perf_counter()
         if cost is not None:

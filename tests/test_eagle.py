@@ -54,9 +54,9 @@ class GraftingEagle(EagleDrafter):
     """The eagle drafter plus the true continuation grafted in, j tokens at step j mod 6: every
     accepted length from 0 to 5 happens, through nodes the head drafted and nodes it never ran."""
 
-    def __init__(self, *args, reference: list[int], **kw):
+    def __init__(self, *args, references: list[list[int]], **kw):
         super().__init__(*args, **kw)
-        self.reference, self.step = reference, 0
+        self.references, self.step = references, 0
 
     @classmethod
     def draft_rows(cls, drafters, states):
@@ -64,7 +64,8 @@ class GraftingEagle(EagleDrafter):
 
     def _grafted(self, d, state):
         j, self.step = self.step % 6, self.step + 1
-        chain = self.reference[len(state.ids): len(state.ids) + j]
+        reference = next(r for r in self.references if r[: len(state.ids)] == state.ids)   # this row's
+        chain = reference[len(state.ids): len(state.ids) + j]
         paths, tokens = graft(d.tree.paths, d.tokens.tolist(), chain)
         return Draft(tree=build_tree(paths), tokens=torch.tensor(tokens))
 
@@ -92,7 +93,7 @@ def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(final
     ids = _prompt(model.config.vocab_size, 3)
     reference = hf_greedy(model, ids, 60)[0].tolist()
     # float32 drafting, compared with a float32 fresh run (the CPU default may draft in bfloat16).
-    drafter = GraftingEagle(bb, heads, depth=3, expand=2, nodes=4, reference=reference, dtype=torch.float32)
+    drafter = GraftingEagle(bb, heads, depth=3, expand=2, nodes=4, references=[reference], dtype=torch.float32)
     seen, checks = set(), 0
     original_commit = drafter.commit
 
@@ -113,6 +114,44 @@ def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(final
     new, _ = _decode(bb, drafter, ids, n=60)
     assert new == reference[ids.shape[1]:]
     assert checks > 10 and set(range(6)) <= seen
+
+
+class CheckedEagle(GraftingEagle):
+    """After every batched commit, each row's head cache and root state are checked against a fresh run."""
+
+    accepted: set = set()
+
+    @classmethod
+    def commit_rows(cls, drafters, states, accepted, outs):
+        super().commit_rows(drafters, states, accepted, outs)
+        for d, s, a in zip(drafters, states, accepted):
+            cls.accepted.add(a.num_accepted)
+            assert d.committed == s.past_len
+            fresh, root = _fresh_head_cache(d.backbone, d.heads, s.ids)
+            for mine, own in zip(d.cache.layer(0, d.row), fresh.layer(0)):
+                assert mine.shape[-2] == s.past_len
+                torch.testing.assert_close(mine, own, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(d.root_state, root, atol=1e-5, rtol=1e-4)
+
+
+def test_eagle_batched_commit_matches_a_fresh_run_in_every_row(one_thread):
+    """A batch commits every row's accepted slots in one head call (paths of different lengths, rows
+    of different lengths, rows leaving): each row's head cache equals a fresh run over its tokens."""
+    from selfspec.decode import decode_rows
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    prompts = [_prompt(model.config.vocab_size, seed, n)[0] for seed, n in ((3, 7), (4, 3), (5, 10))]
+    references = [hf_greedy(model, p[None], 40)[0].tolist() for p in prompts]
+    conts = [r[p.shape[0]:] for p, r in zip(prompts, references)]
+    eos = conts[1][12]                                  # row 1 (at least) stops early and leaves the batch
+    expected = [c[: c.index(eos) + 1] if eos in c else c for c in conts]
+    CheckedEagle.accepted = set()
+    drafter = CheckedEagle(bb, heads, depth=3, expand=2, nodes=4, references=references, dtype=torch.float32)
+    new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids={eos}, generator=None)
+    assert new == expected and len({len(x) for x in new}) > 1
+    assert set(range(6)) <= CheckedEagle.accepted
 
 
 def test_training_time_test_equals_what_the_drafter_computes(one_thread):

@@ -109,6 +109,14 @@ class Drafter:
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         """Called after the target committed ``accepted``; ``state`` is already updated."""
 
+    @classmethod
+    def commit_rows(cls, drafters: list["Drafter"], states: list[DecodeState], accepted: list[Accepted],
+                    outs: list[TargetOut]) -> None:
+        """``commit`` for a batch, row by row here; a drafter whose rows share batched state (the eagle
+        head's cache) overrides it with one call for all rows."""
+        for d, s, a, out in zip(drafters, states, accepted, outs):
+            d.commit(s, a, out)
+
 
 @dataclass(frozen=True)
 class Candidates:

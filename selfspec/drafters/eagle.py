@@ -27,9 +27,11 @@ with its parent's r-th largest probability instead of its own, and the tree keep
 ``expand`` best of each level (a beam, ``expand`` x ``depth`` nodes): every kept set is then
 decided by the parents' distributions alone. ``Draft.q_index`` names each node's row.
 
-A batch (``begin_rows``, ``draft_rows``): the rows' head caches are the rows of one batched cache,
-each at its own length, and each level of every row's tree runs in one head call (a row whose best
-path fell below the threshold sits that level out). Every row gets the tree it would get alone.
+A batch (``begin_rows``, ``draft_rows``, ``commit_rows``): the rows' head caches are the rows of one
+batched cache, each at its own length; each level of every row's tree runs in one head call (a row
+whose best path fell below the threshold sits that level out), and so do every row's accepted slots
+after a step (paths of different lengths padded, the padding cut off). Every row gets the tree it
+would get alone.
 
 With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the context, or where it
 has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when sampling).
@@ -154,6 +156,36 @@ class EagleDrafter(Drafter):
         self.cache.row(self.row).truncate(start)    # drop this step's speculative slots
         nxt = torch.tensor(state.ids[start + 1: state.past_len + 1], device=self.backbone.device)
         self._fill(out.captured, list(accepted.path), nxt, start)
+
+    @classmethod
+    @torch.no_grad()
+    def commit_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState], accepted: list[Accepted],
+                    outs: list[TargetOut]) -> None:
+        """Every row's accepted slots in one head call: rows padded to the longest path, each row's
+        queries masked to its own committed slots and its new ones (causal), the padding cut off after."""
+        first = drafters[0]
+        if len(drafters) == 1 or any(d.cache is not first.cache for d in drafters):
+            return super().commit_rows(drafters, states, accepted, outs)
+        dev, R = first.backbone.device, len(drafters)
+        starts = torch.tensor([d.committed for d in drafters], device=dev)
+        sizes = [len(a.path) for a in accepted]
+        N = max(sizes)
+        feature = torch.zeros(R, N, sum(c.shape[-1] for c in outs[0].captured), dtype=first.dtype, device=dev)
+        tokens = torch.zeros(R, N, dtype=torch.long, device=dev)
+        for b, (d, s, a, out) in enumerate(zip(drafters, states, accepted, outs)):
+            d.cache.row(d.row).truncate(d.committed)                  # drop this step's speculative slots
+            feature[b, : sizes[b]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(first.dtype)
+            tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
+        positions = starts[:, None] + torch.arange(N, device=dev)
+        T = int(starts.max()) + N
+        visible = torch.arange(T, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
+        mask = torch.zeros(visible.shape, dtype=first.dtype, device=dev).masked_fill(
+            ~visible, torch.finfo(first.dtype).min)[:, None]
+        run = first._run(first.head.fuse(feature), tokens, positions, mask, rows=[d.row for d in drafters])
+        for b, d in enumerate(drafters):
+            d.committed = int(starts[b]) + sizes[b]
+            d.cache.row(d.row).truncate(d.committed)                  # the padding slots of shorter paths
+            d.root_state = run[b: b + 1, sizes[b] - 1: sizes[b]]
 
     # ------------------------------------------------------------------ drafting
     def _candidates(self, logits: torch.Tensor, state: DecodeState):
