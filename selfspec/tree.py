@@ -91,8 +91,10 @@ class Tree:
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(n, T) bool (True = may attend) -> (1, 1, n, T) additive mask: 0 where visible, dtype's min elsewhere."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+    """(n, T) bool (True = may attend) -> (1, 1, n, T) additive mask, or (B, n, T) -> (B, 1, n, T): 0 where
+    visible, dtype's min elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return mask[None, None] if visible.dim() == 2 else mask[:, None]
 
 
 def chain(k: int) -> tuple[Path, ...]:

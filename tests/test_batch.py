@@ -234,6 +234,41 @@ def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_ro
     assert any(len(set(d)) > 1 for d in depths)   # not vacuous: some threshold stopped rows at different depths
 
 
+def test_draft_model_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_row(one_thread):
+    """``DraftModelDrafter.draft_rows`` (the catch-up of every row's unseen tokens, ragged, in one draft
+    forward, then one forward per chain step for every row still drafting) gives each row the chain it
+    gets alone, and leaves each row's draft cache as the row alone leaves its own."""
+    import copy
+
+    model = tiny_model("qwen2")
+    bb = Backbone(model)
+    g = torch.Generator().manual_seed(4)
+    draft = truncated_copy(model, 2)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
+    states = [DecodeState(ids=p.tolist() + [int(p[-1]) % 90 + 3], cache=None, params=GREEDY, generator=None)
+              for p in prompts]
+    depths = set()
+    for threshold in (0.0, 0.05, 0.1, 0.2):
+        first = DraftModelDrafter(draft, build_tree(chain(4)), vocab_size=bb.vocab_size, threshold=threshold,
+                                  dtype=torch.float32)
+        rows = [first] + [copy.copy(first) for _ in prompts[1:]]
+        DraftModelDrafter.begin_rows(rows, states, [None] * len(rows))
+        together = DraftModelDrafter.draft_rows(rows, states)
+        for s, got, row in zip(states, together, rows):
+            alone_drafter = copy.copy(first)
+            alone_drafter.begin(s, None)
+            alone = alone_drafter.draft(s)
+            assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
+            assert (row.seen, row.fed) == (alone_drafter.seen, alone_drafter.fed)
+            for mine, own in zip(row.cache.layer(0, row.row), alone_drafter.cache.layer(0)):
+                torch.testing.assert_close(mine, own, atol=1e-5, rtol=1e-4)
+        depths.add(tuple(t.tree.size for t in together))
+    assert any(len(set(d)) > 1 for d in depths)   # not vacuous: some threshold stopped rows at different depths
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
     model = tiny_model("llama")

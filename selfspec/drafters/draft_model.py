@@ -5,6 +5,11 @@ The draft model keeps its own KV cache (a ``cache.KVCache``), run layer by layer
 committed tokens; each step it first catches up on the tokens it has not seen (the pending
 token, plus the last draft when the whole chain was accepted), then drafts k - 1 more.
 
+A batch (``begin_rows``, ``draft_rows``): the rows' draft caches are the rows of one batched cache,
+each at its own length; the catch-up of every row (ragged: padded, the padding cut off after) and
+each chain step of every row still drafting run in one draft forward. Every row gets the chain it
+would get alone.
+
 A draft distilled by ``selfspec train-draft`` names the frequent-token subset it was trained on
 (``config.selfspec_draft_vocab``); the drafter then scores only those rows of the draft's LM head
 (its decoder's last hidden state times the subset's rows) instead of the full vocabulary, which
@@ -79,7 +84,8 @@ class DraftModelDrafter(Drafter):
         self.tree = tree
         self.vocab_size = vocab_size
         self.threshold = check_threshold(threshold)
-        self.cache = kv.new_cache()
+        self.cache = kv.new_cache()   # the draft's KV cache: this drafter's own, or a batch's (begin_rows)
+        self.row = 0                  # this drafter's row of ``cache``
         self.seen = 0  # tokens of state.ids in self.cache
         self.fed = 0   # drafted tokens fed to the cache in the last step
         subset = getattr(draft_model.config, "selfspec_draft_vocab", None)
@@ -95,47 +101,85 @@ class DraftModelDrafter(Drafter):
         return self.model.get_output_embeddings().weight.device
 
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        self.cache = kv.new_cache()
-        self.seen = 0
+        self.cache, self.row, self.seen = kv.new_cache(), 0, 0
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Feed ids after the seen prefix -> logits (V,) for the next token (V_draft with a draft vocabulary)."""
-        bb, n, past = self.backbone, len(ids), self.seen
-        x = torch.tensor(ids, device=self.device)
-        pos = torch.arange(past, past + n, device=self.device)[None]
-        mask = None   # one query sees its whole cache; n on an empty cache is plain causal
-        if n > 1 and past > 0:
-            tri = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            mask = additive_mask(torch.cat([tri.new_ones(n, past), tri], dim=1), bb.dtype)
-        self.seen += n
-        h = bb.run_layers(bb.embed(x), start=0, end=bb.num_layers, position_ids=pos, attention_mask=mask,
-                          cache=self.cache)
-        return self.project(bb.final_norm(h[0, -1:]))[0].float()
+    @classmethod
+    def begin_rows(cls, drafters: list["DraftModelDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+        """The rows' draft caches are the rows of one batched cache (one draft forward per step for all rows)."""
+        shared = kv.new_cache(len(drafters))
+        for b, d in enumerate(drafters):
+            d.cache, d.row, d.seen = shared, b, 0
+
+    def _forward(self, drafters: list["DraftModelDrafter"], feeds: list[list[int]]) -> torch.Tensor:
+        """Feed each row's ids after its seen prefix, all rows in one call -> (R, V) logits for each row's
+        next token (V_draft with a draft vocabulary). Rows padded to the longest feed, each query masked
+        to its own row's slots (causal); the padding slots are cut off after."""
+        bb, dev, R = self.backbone, self.device, len(drafters)
+        n = [len(f) for f in feeds]
+        N = max(n)
+        past = torch.tensor([d.seen for d in drafters], device=dev)
+        x = torch.tensor([f + [0] * (N - len(f)) for f in feeds], device=dev)
+        pos = past[:, None] + torch.arange(N, device=dev)
+        mask = None   # one row: one query sees its whole cache, and n queries on an empty cache are plain causal
+        if R > 1 or (N > 1 and int(past[0]) > 0):
+            visible = torch.arange(int(past.max()) + N, device=dev)[None, None, :] <= pos[:, :, None]
+            mask = additive_mask(visible, bb.dtype)                                      # (R, 1, N, T)
+        h = bb.run_layers(bb.embed_tokens(x), start=0, end=bb.num_layers, position_ids=pos, attention_mask=mask,
+                          cache=self.cache.rows([d.row for d in drafters]))
+        for d, m in zip(drafters, n):
+            d.seen += m
+            d.cache.row(d.row).truncate(d.seen)
+        last = h[torch.arange(R, device=dev), torch.tensor(n, device=dev) - 1]             # (R, H)
+        return self.project(bb.final_norm(last)).float()
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:
-        k = self.tree.depth
-        z = self._forward(state.ids[self.seen:])
-        rows, qs, confs, chain_conf, self.fed = [], [], [], 1.0, 0
+        return self.draft_rows([self], [state])[0]
+
+    @classmethod
+    @torch.no_grad()
+    def draft_rows(cls, drafters: list["DraftModelDrafter"], states: list[DecodeState]) -> list[Draft]:
+        """Every row's chain, one draft forward per chain step for all rows still drafting (candidates
+        are drawn depth by depth, in row order within a depth)."""
+        return drafters[0]._chains(drafters, states)
+
+    def _chains(self, drafters: list["DraftModelDrafter"], states: list[DecodeState]) -> list[Draft]:
+        k, R = self.tree.depth, len(states)
+        z = self._forward(drafters, [s.ids[d.seen:] for d, s in zip(drafters, states)])    # catch up: (R, V)
+        drawn = [[] for _ in range(R)]                  # per row: candidates of each depth drafted
+        chain_conf = [1.0] * R
+        for d in drafters:
+            d.fed = 0
+        active = list(range(R))
         for j in range(k):
-            cand = row_candidates(z[None], 1, vocab=self.vocab, vocab_size=self.vocab_size, state=state)
-            rows.append(cand.tokens)
-            qs.append(cand.q)
-            confs.append(cand.conf)
-            chain_conf *= float(cand.conf[0, 0])       # the product tree.prune takes
-            if chain_conf < self.threshold:
-                break                                  # too doubtful to pay for another draft forward
-            if j + 1 < k:
-                z = self._forward([int(cand.tokens[0, 0])])
-                self.fed += 1
+            cand = row_candidates(z, 1, vocab=self.vocab, vocab_size=self.vocab_size, state=states[0])
+            still = []
+            for i, b in enumerate(active):
+                drawn[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], cand.conf[i:i + 1]))
+                chain_conf[b] *= float(cand.conf[i, 0])       # the product tree.prune takes
+                # Too doubtful to pay for another draft forward, or the chain is full.
+                if chain_conf[b] >= self.threshold and j + 1 < k:
+                    still.append(b)
+            active = still
+            if not active:
+                break
+            z = self._forward([drafters[b] for b in active], [[int(drawn[b][-1][0][0, 0])] for b in active])
+            for b in active:
+                drafters[b].fed += 1
+        return [self._draft_from(s, c) for s, c in zip(states, drawn)]
+
+    def _draft_from(self, state: DecodeState, drawn: list) -> Draft:
+        """One row's chain draft from its candidates per depth drafted."""
+        k = self.tree.depth
+        rows, confs = [c[0] for c in drawn], [c[2] for c in drawn]
         pad = k - len(rows)                            # depths never drafted: zero confidence, pruned below
         tree = pruned(self.tree, torch.cat(confs + [confs[0].new_zeros(pad, 1)]), self.threshold)
         tokens = layout(tree, state.ids[-1], torch.cat(rows + [rows[0].new_zeros(pad, 1)]))
-        q = torch.cat(qs) if state.params.do_sample else None
+        q = torch.cat([c[1] for c in drawn]) if state.params.do_sample else None
         return Draft(tree=tree, tokens=tokens, q=q)
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         # The cache saw the old pending token and the drafts fed this step; accepted drafts stay valid.
         valid = len(state.ids) - 1 - accepted.num_accepted + min(accepted.num_accepted, self.fed)
-        kv.truncate(self.cache, valid)
+        self.cache.row(self.row).truncate(valid)
         self.seen = valid

@@ -50,7 +50,7 @@ from ..corpus import Corpus
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
-from ..tree import subtree
+from ..tree import additive_mask, subtree
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, draft_dtype, full_vocab
 from .lookup import with_lookup
@@ -179,9 +179,8 @@ class EagleDrafter(Drafter):
         positions = starts[:, None] + torch.arange(N, device=dev)
         T = int(starts.max()) + N
         visible = torch.arange(T, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
-        mask = torch.zeros(visible.shape, dtype=first.dtype, device=dev).masked_fill(
-            ~visible, torch.finfo(first.dtype).min)[:, None]
-        run = first._run(first.head.fuse(feature), tokens, positions, mask, rows=[d.row for d in drafters])
+        run = first._run(first.head.fuse(feature), tokens, positions, additive_mask(visible, first.dtype),
+                         rows=[d.row for d in drafters])
         for b, d in enumerate(drafters):
             d.committed = int(starts[b]) + sizes[b]
             d.cache.row(d.row).truncate(d.committed)                  # the padding slots of shorter paths
@@ -310,8 +309,7 @@ class EagleDrafter(Drafter):
             [torch.arange(d - 1, device=dev)[None, None, :] * self.expand + anc,
              torch.full((A, k, 1), spec, device=dev) + torch.arange(k, device=dev)[None, :, None]], dim=2)
         visible.scatter_(2, slots, True)
-        dtype = self.root_state.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+        return additive_mask(visible, self.root_state.dtype)
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 from ..backbone import Backbone
 from .. import cache as kv
 from ..heads import ExitLayerHead, Heads
-from ..tree import Tree
+from ..tree import Tree, additive_mask
 from ..verify import Accepted
 from .base import (DecodeState, Draft, Drafter, Resume, TargetOut, check_threshold, draft_head, layout, pruned,
                    row_candidates, tree_width)
@@ -137,9 +137,7 @@ class EarlyExitDrafter(Drafter):
             mask = None
             if len(active) > 1:   # rows of different lengths: each query sees its own row's slots and itself
                 T = int(pos.max()) + 1
-                visible = torch.arange(T, device=bb.device)[None] <= pos
-                mask = torch.zeros(visible.shape, dtype=bb.dtype, device=bb.device).masked_fill(
-                    ~visible, torch.finfo(bb.dtype).min)[:, None, None]                      # (A, 1, 1, T)
+                mask = additive_mask(torch.arange(T, device=bb.device)[None, None] <= pos[:, :, None], bb.dtype)
             # One token a row through layers[0:E]; their KV for those layers lands in the shared cache.
             h = bb.run_layers(bb.embed_tokens(tok[a][:, None]), start=0, end=E, position_ids=pos, attention_mask=mask,
                               cache=target.rows([rows[b] for b in active]))                      # (A, 1, H)
