@@ -180,9 +180,7 @@ class KVCache:
             top = max(lens[b] for b in rows) + n
             self._ensure(layer_idx, key, top)
             K, V, lens = self.keys[layer_idx], self.values[layer_idx], self.lengths[layer_idx]
-            idx = torch.tensor(rows, device=key.device)
-            bi = idx[:, None].expand(-1, n)
-            ti = torch.tensor([lens[b] for b in rows], device=key.device)[:, None] + torch.arange(n, device=key.device)
+            idx, bi, ti = self._rows_index(rows, [lens[b] for b in rows], n, key.device)
             K[bi, :, ti] = key.transpose(1, 2)
             V[bi, :, ti] = value.transpose(1, 2)
             for b in rows:
@@ -204,6 +202,18 @@ class KVCache:
             bi = torch.arange(self.batch, device=device)[:, None].expand(-1, n)
             ti = torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
             self._index[key] = (bi, ti)
+        return self._index[key]
+
+
+    def _rows_index(self, rows: list[int], lens: list[int], n: int, device):
+        """(rows, row index, slot index) for writing n slots after each listed row's own: built once per
+        shape and reused by every layer of a forward (they are all at the same lengths)."""
+        key = (tuple(rows), tuple(lens), n)
+        if key not in self._index:
+            self._index.clear()
+            idx = torch.tensor(rows, device=device)
+            ti = torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
+            self._index[key] = (idx, idx[:, None].expand(-1, n), ti)
         return self._index[key]
 
 

@@ -152,14 +152,22 @@ def test_medusa_drafts_a_batch_in_one_call_exactly_as_row_by_row(token_input, on
     assert len({t.tree.size for t in together}) > 1     # the rows' trees differ: the check is not vacuous
 
 
+def _prefilled(bb, prompts, capture):
+    """Greedy decode states of ``prompts`` prefilled as one batch (their first token chosen), and the prefill outputs."""
+    from selfspec.decode import prefill_rows
+
+    cache = KVCache(len(prompts))
+    outs = prefill_rows(bb, cache, prompts, capture=capture)
+    return [DecodeState(ids=p.tolist() + [int(o.logits[-1].argmax())], cache=cache.row(b), params=GREEDY,
+                        generator=None) for b, (p, o) in enumerate(zip(prompts, outs))], outs
+
+
 @pytest.mark.parametrize("threshold", [0.0, 0.04])
 def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshold, one_thread):
     """``EagleDrafter.draft_rows`` (each level of every row in one head call, on one batched head cache
     whose rows have different lengths) gives each row the tree, tokens and path probabilities that the
     row drafting alone on its own cache gives; with a threshold, rows stop at different levels."""
     import copy
-
-    from selfspec.decode import prefill_rows
 
     model = tiny_model("llama")
     bb = Backbone(model)
@@ -170,10 +178,7 @@ def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshol
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
     first = EagleDrafter(bb, heads, depth=4, expand=3, nodes=7, threshold=threshold, lookup=2, dtype=torch.float32)
-    cache = KVCache(len(prompts))
-    outs = prefill_rows(bb, cache, prompts, capture=first.capture_layers)
-    states = [DecodeState(ids=p.tolist() + [int(o.logits[-1].argmax())], cache=cache.row(b), params=GREEDY,
-                          generator=None) for b, (p, o) in enumerate(zip(prompts, outs))]
+    states, outs = _prefilled(bb, prompts, first.capture_layers)
     rows = [first] + [copy.copy(first) for _ in prompts[1:]]
     EagleDrafter.begin_rows(rows, states, outs)
     together = EagleDrafter.draft_rows(rows, states)
@@ -195,8 +200,6 @@ def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_ro
     states it gets drafting alone; the confidence threshold stops rows at different depths."""
     import copy
 
-    from selfspec.decode import prefill_rows
-
     model = tiny_model("llama", num_hidden_layers=6)
     bb = Backbone(model)
     heads = untrained_heads("early-exit", model, "t", exit_layer=3, adapter=adapter)
@@ -205,12 +208,7 @@ def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_ro
         for p in heads.module.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
-
-    def start(batch):
-        cache = KVCache(len(batch))
-        outs = prefill_rows(bb, cache, batch, capture=(3,) if adapter == "layer" else ())
-        return [DecodeState(ids=p.tolist() + [int(o.logits[-1].argmax())], cache=cache.row(b), params=GREEDY,
-                            generator=None) for b, (p, o) in enumerate(zip(batch, outs))], outs
+    start = lambda batch: _prefilled(bb, batch, (3,) if adapter == "layer" else ())   # noqa: E731
 
     depths = set()
     for threshold in (0.0, 0.002, 0.005, 0.01):
