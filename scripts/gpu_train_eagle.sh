@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The EAGLE head for a GPU lease of fixed length: the target answers broad prompts (self-distillation,
-# greedy, bfloat16) for GEN seconds, then the head is warm-started and trained for TRAIN seconds on those
-# answers and the committed ones. The step count is planned from a 10-step timing run, so the cosine
-# schedule ends on time. Everything resumes: rerun with the same --out to add answers (stored prompts
-# are skipped); the training run writes atomic checkpoints.
+# greedy, bfloat16) for GEN seconds, then the head is trained for TRAIN seconds on those answers and the
+# committed ones (from scratch, or warm-started with --init). The step count is planned from a 10-step
+# timing run, so the cosine schedule ends on time. Everything resumes: rerun with the same --out to add
+# answers (stored prompts are skipped); the training run writes atomic checkpoints. The head keeps the
+# decode settings (tree, threshold, lookup) of the shipped EAGLE head until `selfspec tune-tree` reruns.
 #
 #   scripts/gpu_train_eagle.sh --prompts FILE --out DIR [--gen-seconds 150] [--train-seconds 200]
 #                              [--data LIST] [--init DIR] [--batch-size 32] [--gen-batch 384] [--device cuda]
@@ -12,7 +13,8 @@
 #   --out DIR            DIR/data: the new answers; DIR/heads: the trained head (DIR/cal: the timing run)
 #   --data LIST          more gen-data directories to train on (comma list; DIR@N takes its first N rows);
 #                        default: the committed self-distillation data of the demo model
-#   --init DIR           heads to warm-start from (default: the shipped EAGLE head)
+#   --init DIR           heads to warm-start from (default: none, from scratch; a warm start needs the data the
+#                        init was trained on, to keep its held-out split held out)
 # Env: MODEL (smollm2-135m), CHUNK (prompts per gen-data call, 6144: each call answers its chunk longest
 # first, so chunks keep a stopped run's answers a fair sample), STEPS_MIN (20), TRAIN_ARGS (more train-heads flags).
 set -euo pipefail
@@ -46,8 +48,7 @@ STEPS_MIN=${STEPS_MIN:-20}
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-INIT=${INIT:-$("$PY" -c "from selfspec.shipped import shipped_heads; print(shipped_heads('$MODEL', 'eagle') or '')")}
-[ -n "$INIT" ] || { echo "gpu_train_eagle: no shipped EAGLE head for $MODEL: pass --init DIR" >&2; exit 2; }
+DECODE_FROM=$("$PY" -c "from selfspec.shipped import shipped_heads; print(shipped_heads('$MODEL', 'eagle') or '')")
 mkdir -p "$OUT"
 now() { date +%s; }
 
@@ -66,9 +67,11 @@ done
 ls "$OUT/data"/shard-* >/dev/null 2>&1 || { echo "gpu_train_eagle: no answers were stored in $OUT/data" >&2; exit 1; }
 ALL="$DATA,$OUT/data"
 
+START=(--lr 5e-4 --warmup 50)
+[ -n "$INIT" ] && START=(--init "$INIT" --lr 3e-4 --warmup 20)
 # shellcheck disable=SC2206
-COMMON=(--model "$MODEL" --kind eagle --init "$INIT" --data "$ALL" --loss-rows response --aux-layers 2,15,27
-        --ttt-steps 4 --max-len 512 --batch-size "$BATCH" --lr 3e-4 --warmup 20 --draft-vocab-size 8192
+COMMON=(--model "$MODEL" --kind eagle "${START[@]}" --data "$ALL" --loss-rows response --aux-layers 2,15,27
+        --ttt-steps 4 --max-len 512 --batch-size "$BATCH" --draft-vocab-size 8192
         --eval-fraction 0.004 --device "$DEVICE" --no-progress ${TRAIN_ARGS:-})
 echo "== timing run: 10 steps ($(date -u +%H:%M:%S))"
 t0=$(now)
@@ -80,8 +83,8 @@ left=$(( TRAIN_S - ($(now) - t0) - 25 ))     # 25 s: loading the model and data 
 steps=$("$PY" -c "print(max($STEPS_MIN, int($left / ($wall / 10))))")
 echo "== training: $steps steps (${wall} s per 10 steps, $left s left) ($(date -u +%H:%M:%S))"
 "$PY" -m selfspec train-heads "${COMMON[@]}" --steps "$steps" --eval-every "$steps" --save-every 50 --out "$OUT/heads"
-# the decode settings (tree, threshold, lookup) stay those tuned for the head it started from, until tune-tree reruns
-"$PY" - "$INIT" "$OUT/heads" <<'PY'
+[ -n "$DECODE_FROM" ] || { echo "== done: $OUT/heads (no shipped EAGLE head to take decode settings from: run tune-tree)"; exit 0; }
+"$PY" - "$DECODE_FROM" "$OUT/heads" <<'PY'
 import sys
 from dataclasses import asdict
 from selfspec.heads import read_heads_config, write_heads_config

@@ -86,6 +86,8 @@ DATA_NOTES = {
     "smollm2-135m-broad-self": "greedy answers (up to 160 tokens) to a prefix of the broad prompt set shuffled "
                                "with seed 0 (QA over passages, summarisation, translation, maths, code, roleplay, "
                                "writing, adversarial requests; `scripts/gen_broad_self.sh`)",
+    "smollm2-135m-broad-gpu": "greedy answers (up to 160 tokens, bfloat16, on a GPU) to the next prompts of that "
+                              "shuffled broad set (`scripts/gpu_train_eagle.sh`, its first stage)",
 }
 
 
@@ -239,7 +241,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
         lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
                   f"`{decode.tree}`, threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}: "
                   "not timed for these heads by `selfspec tune-tree` (no tune-tree.json here); carried over from the "
-                  "heads they were warm-started from.", ""]
+                  "heads they were warm-started from or replace.", ""]
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:

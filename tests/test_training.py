@@ -616,6 +616,12 @@ def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_pat
         train_heads(model, ds, config=_cfg(tmp_path, "bad", num_heads=3, init=first.out), name="tiny",
                     data_dir=str(data), progress=False)
     assert heads.config.provenance["init"]["path"] == first.out and heads.config.provenance["init"]["steps"] == 3
+    # On a machine without the init's data its split cannot be rebuilt: one line that says so, not a data error.
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    with pytest.raises(ValueError, match="trained on .*, which is not here"):
+        train_heads(model, ds, config=_cfg(tmp_path, "gone", steps=1, draft_vocab_size=16, init=first.out), name="tiny",
+                    data_dir=str(moved), progress=False)
 
 
 def test_head_mlp_grows_trained_heads_without_changing_them_then_trains(tmp_path):

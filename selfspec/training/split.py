@@ -135,6 +135,12 @@ def warm_split(seqs: list[Sequence], eval_idx: list[int], init: Heads) -> tuple[
     if not data:
         raise ValueError("the --init heads do not record their training data, so their held-out split cannot be kept: "
                          "train from scratch instead")
+    from .data import data_dirs
+
+    missing = [str(d) for d in data_dirs(data) if not (d / "meta.json").is_file()]
+    if missing:
+        raise ValueError(f"the --init heads were trained on {', '.join(missing)}, which is not here, so their held-out "
+                         "split cannot be kept: make that data again (the heads' README says how) or train from scratch")
     init_train, init_held = recorded_split(data, init)
     trained, held = {content_key(s) for s in init_train}, {content_key(s) for s in init_held}
     chosen = set(eval_idx)
