@@ -39,3 +39,24 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "tpu"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "cuda or cpu" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sample", "0"], "--sample must be a positive whole number"),
+    (["--eagle-heads", "/nonexistent"], "holds no heads"),
+])
+def test_gpu_check_refuses_bad_sizes_in_one_line(args, message):
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", *args], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "x"], "--prompts FILE is required"),
+    (["--prompts", __file__, "--out", "x", "--gen-seconds", "soon"], "whole numbers"),
+    (["--prompts", __file__], "--out DIR is required"),
+])
+def test_gpu_train_eagle_refuses_bad_input_in_one_line(args, message):
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train_eagle.sh"), *args], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
