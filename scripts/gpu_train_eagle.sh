@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
         --batch-size) BATCH="$2"; shift 2 ;;
         --gen-batch) GEN_BATCH="$2"; shift 2 ;;
         --device) DEVICE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) echo "gpu_train_eagle: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
