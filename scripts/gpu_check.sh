@@ -15,7 +15,8 @@
 #                 script, measures nothing
 #   --out DIR     where the reports go (default: docs/results/gpu-<device>; a dry run: a new /tmp directory)
 # For a short lease (every default below is the full run's):
-#   --sample N            prompts per batch-1 bench (default 50); batches of 8 take N rounded up to a multiple of 8
+#   --sample N            prompts per batch-1 bench (default 50); batches of 8 take N rounded down to a multiple
+#                         of 8 (at least 8)
 #   --skip STEPS          comma list of steps (2-5) not to run, e.g. --skip 5 leaves out the compiled benches
 #   --dtypes LIST         step 3's dtypes (default float32,bfloat16)
 #   --methods LIST        step 3's methods; --batch-methods LIST: step 4's (defaults: below)
@@ -33,7 +34,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0 SAMPLE=50 SKIP="" DTYPES=float32,bfloat16 METHODS="" BATCHED="" EAGLE_HEADS=""
+DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0 SAMPLE=50 SKIP="" SKIP_ARG="" DTYPES=float32,bfloat16 METHODS="" BATCHED="" EAGLE_HEADS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
@@ -42,19 +43,25 @@ while [ $# -gt 0 ]; do
         --out) OUT="$2"; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --sample) SAMPLE="$2"; shift 2 ;;
-        --skip) SKIP=",$2,"; shift 2 ;;
+        --skip) SKIP_ARG="$2"; SKIP=",$2,"; shift 2 ;;
         --dtypes) DTYPES="$2"; shift 2 ;;
         --methods) METHODS="$2"; shift 2 ;;
         --batch-methods) BATCHED="$2"; shift 2 ;;
         --eagle-heads) EAGLE_HEADS="$2"; shift 2 ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check: --device must be cuda or cpu (got $DEVICE)" >&2; exit 2 ;; esac
 [[ "$SAMPLE" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: --sample must be a positive whole number (got $SAMPLE)" >&2; exit 2; }
 [ -z "$EAGLE_HEADS" ] || [ -f "$EAGLE_HEADS/config.json" ] || { echo "gpu_check: --eagle-heads $EAGLE_HEADS holds no heads (no config.json)" >&2; exit 2; }
-BSAMPLE=$(( (SAMPLE + 7) / 8 * 8 ))
+[[ ",$SKIP," =~ ^(,+[2-5])*,+$ ]] || { echo "gpu_check: --skip takes a comma list of steps 2-5 (got $SKIP_ARG)" >&2; exit 2; }
+RUNS=()
+for D in ${DTYPES//,/ }; do
+    case "$D" in float32) RUNS+=(fp32:float32) ;; bfloat16) RUNS+=(bf16:bfloat16) ;;
+        *) echo "gpu_check: --dtypes takes float32 and/or bfloat16 (got $D)" >&2; exit 2 ;; esac
+done
+BSAMPLE=$(( SAMPLE / 8 * 8 )); [ "$BSAMPLE" -ge 8 ] || BSAMPLE=8
 run_step() { case "$SKIP" in *",$1,"*) echo "== $1. skipped (--skip)"; return 1 ;; esac; }
 # with_eagle LIST: LIST, plus selfspec-eagle@DIR after selfspec-eagle when --eagle-heads is given
 with_eagle() { case ",$1," in *,selfspec-eagle,*) [ -n "$EAGLE_HEADS" ] && { echo "$1,selfspec-eagle@$EAGLE_HEADS"; return; } ;; esac; echo "$1"; }
@@ -112,11 +119,6 @@ if run_step 3; then
 echo "== 3. bench, batch 1, eager"
 M3=hf-generate,hf-static,hf-assisted,hf-prompt-lookup,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle,selfspec-eagle-heads,selfspec-early-exit,selfspec-draft-model
 SIZE=(--sample "$SAMPLE" --max-new-tokens 128)
-RUNS=()
-for D in ${DTYPES//,/ }; do
-    case "$D" in float32) RUNS+=(fp32:float32) ;; bfloat16) RUNS+=(bf16:bfloat16) ;;
-        *) echo "gpu_check: --dtypes takes float32 and/or bfloat16 (got $D)" >&2; exit 2 ;; esac
-done
 if [ "$QUICK" = 1 ]; then
     SIZE=(--sample 2 --max-new-tokens 16)
     M3=hf-generate,hf-assisted,selfspec-ar,selfspec-eagle,selfspec-draft-model

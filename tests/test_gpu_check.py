@@ -44,6 +44,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--sample", "0"], "--sample must be a positive whole number"),
     (["--eagle-heads", "/nonexistent"], "holds no heads"),
+    (["--skip", "2,9"], "comma list of steps 2-5"),
+    (["--dtypes", "fp8"], "float32 and/or bfloat16"),
 ])
 def test_gpu_check_refuses_bad_sizes_in_one_line(args, message):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", *args], cwd=ROOT,
