@@ -40,6 +40,7 @@ from . import timings
 from .backbone import Backbone, config_fingerprint
 from .cache import KVCache
 from .drafters.base import Draft, prior_path_p
+from .static import BUCKETS, bucket
 from .tree import subtree, tree_from_parents
 
 if TYPE_CHECKING:
@@ -151,8 +152,6 @@ class VerifyCost:
         """The width a pass of ``width`` nodes per row actually runs at (its bucket with a static step)."""
         if self.step is None:
             return width
-        from .step import bucket   # step imports decode, which imports this module
-
         return bucket(width)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
@@ -244,7 +243,6 @@ class VerifyCost:
         """Each bucket up to ``width``'s, through the static step (run once untimed first: a bucket not yet
         compiled compiles then). Not kept between processes: a compiled pass's speed is the compiler's."""
         from .decode import _sync, prefill_rows
-        from .step import BUCKETS
 
         bb, dev, step = self.backbone, self.backbone.device, self.step
         shapes = [b for b in BUCKETS if b < self._shape(width)] + [self._shape(width)]

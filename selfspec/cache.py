@@ -252,6 +252,24 @@ class RowsView:
         return max(lens[layer_idx][b] for b in self.indices) if layer_idx < len(lens) else 0
 
 
+class SlotWriter:
+    """What layers call ``cache.update`` on inside a static pass (``step.py``): write each row's new
+    slots at tensor positions ``slots`` (B, n) of rows ``rows`` (B, n), in place, and read the whole
+    capacity (the pass's mask hides what a query may not see). Host-side lengths are the caller's."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor):
+        self.keys, self.values, self.rows, self.slots = keys, values, rows, slots
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        K, V = self.keys[layer_idx], self.values[layer_idx]
+        K[self.rows, :, self.slots] = key.transpose(1, 2)      # (B, n, kv_heads, head_dim) into (B, kv_heads, C, d)
+        V[self.rows, :, self.slots] = value.transpose(1, 2)
+        return K, V
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
 def new_cache(batch: int = 1, capacity: int | None = None) -> KVCache:
     return KVCache(batch, capacity=capacity)
 

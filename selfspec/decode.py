@@ -313,6 +313,7 @@ def decode_rows(
         cache = kv.new_cache(B, capacity=step.reserve(max(int(p.shape[0]) for p in prompts) + max_new_tokens))
         verify = lambda live, pasts, drafts: step.verify(backbone, cache, pasts, drafts, rows=live,  # noqa: E731
                                                          capture=drafter.capture_layers)
+    drafter.use_step(step)
     drafters = [drafter] + [copy.copy(drafter) for _ in range(B - 1)]
     states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator)
               for b, p in enumerate(prompts)]

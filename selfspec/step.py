@@ -21,37 +21,13 @@ from __future__ import annotations
 import torch
 
 from .backbone import Backbone
-from .cache import KVCache
+from .cache import KVCache, SlotWriter
 from .decode import _layers, prefill_rows, row_outputs
 from .drafters.base import Draft, TargetOut
+from .static import BUCKETS, StaticFunction, bucket
 from .tree import build_tree
 
-# Tree sizes a step is padded to. On CPU a pass over 4 or 16 nodes costs little more than over 2 or
-# 8 (few-row products are bound by reading the weights), while each size compiles on its own (over a
-# minute on CPU): so few, coarse buckets.
-BUCKETS = (1, 4, 16, 64)
 CAPACITY_ROUND = 256        # static caches are sized in multiples of this
-
-
-def bucket(n: int) -> int:
-    """The smallest bucket holding n nodes (n beyond the largest: n itself, compiled on its own)."""
-    return next((b for b in BUCKETS if b >= n), n)
-
-
-class _SlotWriter:
-    """What the layers call ``cache.update`` on inside the step: write at tensor slots, read all."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor):
-        self.keys, self.values, self.rows, self.slots = keys, values, rows, slots
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        K, V = self.keys[layer_idx], self.values[layer_idx]
-        K[self.rows, :, self.slots] = key.transpose(1, 2)      # (B, n, kv_heads, head_dim) into (B, kv_heads, C, d)
-        V[self.rows, :, self.slots] = value.transpose(1, 2)
-        return K, V
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
 
 
 def static_mask(ancestors: torch.Tensor, lengths: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
@@ -74,22 +50,13 @@ class StaticStep:
     def __init__(self, backbone: Backbone, *, compile: bool = True, mode: str | None = None):
         self.backbone = backbone
         self.compiled = compile
+        self.mode = mode
         self.capacity = 0
-        if compile:
-            if mode is None:
-                mode = "reduce-overhead" if backbone.device.type == "cuda" else None
-            import warnings
+        self._forward = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode)
 
-            import torch._dynamo
-
-            # torch's own compiler calls a deprecated API of itself (once per kernel): not the user's concern.
-            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
-
-            # One graph per (rows, bucket, capacity, capture); a run meets a handful.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._forward = torch.compile(self._pass, mode=mode, dynamic=False)
-        else:
-            self._forward = self._pass
+    def function(self, fn) -> StaticFunction:
+        """Another static pass (a drafter's), built as this step builds its own."""
+        return StaticFunction(fn, compile=self.compiled, device=self.backbone.device, mode=self.mode)
 
     def reserve(self, positions: int) -> int:
         """Room for sequences of ``positions`` tokens plus one padded tree; returns the capacity."""
@@ -115,7 +82,7 @@ class StaticStep:
         rows = torch.arange(B, device=tokens.device)[:, None].expand(B, n)
         mask = static_mask(ancestors, lengths, keys[0].shape[2], bb.dtype)
         h, mid = _layers(bb, bb.embed_tokens(tokens), start=0, position_ids=lengths[:, None] + depths, mask=mask,
-                         cache=_SlotWriter(keys, values, rows, slots), capture=capture)
+                         cache=SlotWriter(keys, values, rows, slots), capture=capture)
         return bb.final_norm(h), mid
 
     def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *, rows: list[int],
@@ -144,13 +111,8 @@ class StaticStep:
             tokens[b, :m] = d.tokens.to(dev)
             depths[b, :m] = d.tree.depths.to(dev)
             anc[b, :m, :m] = d.tree.ancestors.to(dev)
-        graphs = self.compiled and dev.type == "cuda"
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()   # a new step: the previous replay's outputs are done with
         normed, mid = self._forward(cache.keys, cache.values, tokens, depths, anc,
                                     torch.tensor(lens, device=dev), tuple(capture))
-        if graphs:   # a CUDA graph's outputs live in its pool until the next replay: drafters keep some longer
-            normed, mid = normed.clone(), tuple(c.clone() for c in mid)
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):

@@ -156,7 +156,8 @@ def test_a_static_step_is_priced_by_bucket_and_explored_bucket_by_bucket():
 def test_static_step_width_fitting_keeps_every_row_exact(arch, one_thread):
     """``compile=True``'s pass (here uncompiled: the same static shapes) with width fitting: the prior
     times each bucket through the step with the drafter's capture, steps are cut, every row exact."""
-    from selfspec.step import BUCKETS, StaticStep
+    from selfspec.static import BUCKETS
+    from selfspec.step import StaticStep
 
     model, bb, prompts, ref, drafters = every_drafter(arch)
     for drafter in drafters:

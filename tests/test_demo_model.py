@@ -120,11 +120,12 @@ def test_demo_loading_is_cached_and_fast(demo):
 
 
 def test_demo_compiled_step_identical_to_transformers(demo, references):
-    """compile=True: the verify pass at static shapes through torch.compile, on a batch of the three
-    prompts (ragged, one row finishing before the others and idling in the static cache): every row
-    is transformers' greedy output for its prompt alone. One tree size (a 3-draft chain, no lookup)
-    keeps the compilation to the 1- and 4-node buckets."""
-    sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter="medusa", tree="chain-3", lookup=0,
+    """compile=True: the verify pass at static shapes through torch.compile, and the shipped EAGLE head's
+    draft levels and commits on its static cache, on a batch of the three prompts (ragged, one row
+    finishing before the others and idling in the static caches): every row is transformers' greedy
+    output for its prompt alone. Small trees (3 nodes, no lookup) keep the compilation to the 1- and
+    4-node buckets."""
+    sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter="eagle", tree="dynamic-3-2-3", lookup=0,
                                               device=demo.model.device, dtype=torch.float32, compile=True)
     assert sm.step is not None and sm.step.compiled
     rows = [ids[0] for ids, _ in references]
@@ -133,4 +134,4 @@ def test_demo_compiled_step_identical_to_transformers(demo, references):
     for b, (prompt, ref) in enumerate(references):
         alone = ref[0, prompt.shape[1]:].tolist()
         assert out[b, T:T + len(alone)].tolist() == alone, f"compiled: row {b} differs from its prompt alone"
-    assert sm.last_stats.tau > 1.05
+    assert sm.last_stats.tau > 1.05 and sm.drafter._static is not None and sm.drafter._static.compiled

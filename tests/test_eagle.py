@@ -134,10 +134,14 @@ class CheckedEagle(GraftingEagle):
             torch.testing.assert_close(d.root_state, root, atol=1e-5, rtol=1e-4)
 
 
-def test_eagle_batched_commit_matches_a_fresh_run_in_every_row(one_thread):
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_eagle_batched_commit_matches_a_fresh_run_in_every_row(static, one_thread):
     """A batch commits every row's accepted slots in one head call (paths of different lengths, rows
-    of different lengths, rows leaving): each row's head cache equals a fresh run over its tokens."""
+    of different lengths, rows leaving): each row's head cache equals a fresh run over its tokens.
+    Static: the head cache preallocated and written at tensor slots, each commit padded to a bucket
+    and finished rows idling in it (``compile=True``'s head passes, here uncompiled)."""
     from selfspec.decode import decode_rows
+    from selfspec.step import StaticStep
 
     model = tiny_model("llama")
     bb = Backbone(model)
@@ -149,9 +153,70 @@ def test_eagle_batched_commit_matches_a_fresh_run_in_every_row(one_thread):
     expected = [c[: c.index(eos) + 1] if eos in c else c for c in conts]
     CheckedEagle.accepted = set()
     drafter = CheckedEagle(bb, heads, depth=3, expand=2, nodes=4, references=references, dtype=torch.float32)
-    new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids={eos}, generator=None)
+    new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids={eos}, generator=None,
+                         step=StaticStep(bb, compile=False) if static else None)
     assert new == expected and len({len(x) for x in new}) > 1
     assert set(range(6)) <= CheckedEagle.accepted
+    assert (drafter.cache.static and drafter._static is not None) == static
+
+
+class LoggedEagle(EagleDrafter):
+    """Records every step's drafts (each row's tree paths, tokens and path probabilities)."""
+
+    log: list = []
+
+    @classmethod
+    def draft_rows(cls, drafters, states):
+        drafts = super().draft_rows(drafters, states)
+        cls.log.append([(d.tree.paths, d.tokens.tolist(), d.path_p) for d in drafts])
+        return drafts
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["static", "compiled"])
+def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread):
+    """With a static verify step the head runs at static shapes (its cache preallocated, every level and
+    commit one fixed-shape call over all rows; compiled with ``compile``): every step of a batch (ragged
+    rows, rows stopping at different levels under a threshold, one row finishing early) drafts the
+    trees, tokens and path probabilities the eager head drafts, and the output is the reference."""
+    from selfspec.decode import decode_rows
+    from selfspec.step import StaticStep
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "t")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in heads.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    prompts = [_prompt(model.config.vocab_size, seed, n)[0] for seed, n in ((3, 7), (4, 3), (5, 10))]
+    conts = [hf_greedy(model, p[None], 24)[0, p.shape[0]:].tolist() for p in prompts]
+    eos = conts[1][9]
+    expected = [c[: c.index(eos) + 1] if eos in c else c for c in conts]
+    logs = []
+    for step in (None, StaticStep(bb, compile=compile)):
+        LoggedEagle.log = []
+        drafter = LoggedEagle(bb, heads, depth=3, expand=2, nodes=3, threshold=0.04, dtype=torch.float32)
+        if step is not None:   # as a benchmark's warm-up does: after it, decoding compiles nothing
+            step.reserve(max(p.shape[0] for p in prompts) + 24)
+            step.warm_up(batch=len(prompts), max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
+            drafter.warm_up(step, batch=len(prompts))
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=24, eos_token_ids={eos},
+                             generator=None, step=step)
+        if step is not None:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "decoding compiled a new shape"
+        assert new == expected and len({len(x) for x in new}) > 1
+        logs.append(LoggedEagle.log)
+    eager, static = logs
+    assert len(eager) == len(static) > 5
+    sizes = set()
+    for e_step, s_step in zip(eager, static):
+        assert len(e_step) == len(s_step)
+        for (e_paths, e_tokens, e_p), (s_paths, s_tokens, s_p) in zip(e_step, s_step):
+            assert s_paths == e_paths and s_tokens == e_tokens
+            torch.testing.assert_close(s_p, e_p, atol=1e-5, rtol=1e-4)
+            sizes.add(len(e_paths))
+    assert len(sizes) > 1   # not vacuous: the threshold cut trees to different sizes
 
 
 def test_training_time_test_equals_what_the_drafter_computes(one_thread):

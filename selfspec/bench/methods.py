@@ -189,6 +189,7 @@ def build_methods(
             sm.step.reserve(positions)
             for b in batch_sizes:
                 sm.step.warm_up(batch=b, max_nodes=sm.drafter.max_nodes, capture=sm.drafter.capture_layers)
+                sm.drafter.warm_up(sm.step, batch=b)
                 sm.tune_layouts(b)
         fn.prepare = prepare
         return fn

@@ -85,6 +85,14 @@ class Drafter:
         tree = getattr(self, "tree", None)
         return (1 if tree is None else tree.size) + getattr(self, "lookup", 0)
 
+    def use_step(self, step) -> None:
+        """Called before a decode with its static verify step (``step.StaticStep``, ``compile=True``) or
+        None (eager). A drafter that runs passes of its own may run them at static shapes to match."""
+
+    def warm_up(self, step, *, batch: int = 1) -> None:
+        """Compile now whatever static passes of its own decoding batches of ``batch`` rows with ``step``
+        will run (a benchmark's warm-up calls it, so that no compilation falls in a timed run)."""
+
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""
 

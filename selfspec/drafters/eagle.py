@@ -33,6 +33,12 @@ whose best path fell below the threshold sits that level out), and so do every r
 after a step (paths of different lengths padded, the padding cut off). Every row gets the tree it
 would get alone.
 
+Compiled (``use_step`` with a static verify step, ``compile=True``), the head drafts at static
+shapes too: its cache is preallocated with a row per batch row (a finished row idles in it), each
+head call (a draft level of every row; a step's accepted slots, padded to a bucket) writes at
+tensor slots and builds its mask from tensors, and runs as one function of fixed shapes, compiled
+as the verify step is (a CUDA graph on GPU). Drafting and the trees it gives are unchanged.
+
 With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the context, or where it
 has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when sampling).
 """
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,10 +57,14 @@ from ..corpus import Corpus
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
+from ..static import StaticFunction, bucket
 from ..tree import additive_mask, subtree
 from ..verify import Accepted
 from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, draft_dtype, full_vocab
 from .lookup import with_lookup
+
+if TYPE_CHECKING:
+    from ..step import StaticStep
 
 
 def check_dynamic_tree(depth: int, expand: int, nodes: int) -> tuple[int, int, int]:
@@ -82,6 +93,8 @@ def parse_dynamic_tree(spec) -> dict:
 
 class EagleDrafter(Drafter):
     name = "eagle"
+    static_step: "StaticStep | None" = None   # the verify step the head's static passes match (use_step)
+    _static: StaticFunction | None = None     # ``_static_pass``, compiled as that step is
 
     def __init__(self, backbone: Backbone, heads: Heads, *, depth: int = 5, expand: int = 4, nodes: int = 8,
                  threshold: float = 0.0, lookup: int = 0, corpus: Corpus | None = None,
@@ -138,20 +151,23 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        self.cache, self.row = kv.new_cache(), 0
-        self._start(state, prefill)
+        self.begin_rows([self], [state], [prefill])
 
     @classmethod
     @torch.no_grad()
     def begin_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
-        """The rows' head caches are the rows of one batched cache, so that a draft level runs all rows in one call."""
-        shared = kv.new_cache(len(drafters))
+        """The rows' head caches are the rows of one batched cache, so that a draft level runs all rows in one
+        call; a static one (``use_step``) holds the target's static capacity plus one step's head slots."""
+        first = drafters[0]
+        shared = kv.new_cache(len(drafters), capacity=None if first.static_step is None else first._head_capacity())
         for b, (d, s, out) in enumerate(zip(drafters, states, prefills)):
             d.cache, d.row = shared, b
             d._start(s, out)
 
     @torch.no_grad()
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+        if self.static_step is not None:
+            return self._commit_static([self], [state], [accepted], [out])
         start = self.committed
         self.cache.row(self.row).truncate(start)    # drop this step's speculative slots
         nxt = torch.tensor(state.ids[start + 1: state.past_len + 1], device=self.backbone.device)
@@ -164,6 +180,8 @@ class EagleDrafter(Drafter):
         """Every row's accepted slots in one head call: rows padded to the longest path, each row's
         queries masked to its own committed slots and its new ones (causal), the padding cut off after."""
         first = drafters[0]
+        if first.static_step is not None:
+            return first._commit_static(drafters, states, accepted, outs)
         if len(drafters) == 1 or any(d.cache is not first.cache for d in drafters):
             return super().commit_rows(drafters, states, accepted, outs)
         dev, R = first.backbone.device, len(drafters)
@@ -243,8 +261,12 @@ class EagleDrafter(Drafter):
             top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))               # (R, k, d - 1)
             # Each runs in slot past + d - 1, reading its parent's output state.
             feature = prev.gather(1, fidx.gather(1, best)[..., None].expand(-1, -1, H))          # (R, k, H)
-            run = self._run(feature[a], tokens[-1].gather(1, best)[a], (past[a] + d - 1)[:, None].expand(-1, k),
-                            self._level_mask(committed[a], top_anc[a], d), rows=[drafters[b].row for b in active])
+            if self.static_step is not None:   # every row at the static shape; the inactive rows' states unused
+                run = self._static_level(drafters, feature, tokens[-1].gather(1, best),
+                                         (past + d - 1)[:, None].expand(-1, k), committed, top_anc, d)[a]
+            else:
+                run = self._run(feature[a], tokens[-1].gather(1, best)[a], (past[a] + d - 1)[:, None].expand(-1, k),
+                                self._level_mask(committed[a], top_anc[a], d), rows=[drafters[b].row for b in active])
             prev = run.new_zeros(R, k, H).index_copy_(0, a, run)
             cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
             A = len(active)
@@ -292,6 +314,110 @@ class EagleDrafter(Drafter):
             draft = Draft(tree=tree, tokens=tokens[b, nodes], q=q_full, q_index=q_index, path_p=score_b[nodes].exp())
             drafts.append(with_lookup(draft, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus))
         return drafts
+
+    # ------------------------------------------------------------------ static shapes (compile=True)
+    def use_step(self, step: StaticStep | None) -> None:
+        """Decode with ``step`` (None: eagerly): the head's calls then run at static shapes, compiled as it is."""
+        if step is None:
+            self.static_step = self._static = None
+        elif step is not self.static_step:
+            self.static_step, self._static = step, step.function(self._static_pass)
+
+    def _head_capacity(self) -> int:
+        """Slots per row of the static head cache: the verify step's capacity plus one step's draft levels
+        and a padded commit."""
+        return self.static_step.capacity + self.depth * self.expand + bucket(self.max_nodes)
+
+    def _longest_path(self) -> int:
+        """The most slots one step can commit: a tree's deepest path (drafted or copied) plus its root."""
+        return 1 + max(self.depth, self.lookup)
+
+    @torch.no_grad()
+    def warm_up(self, step: StaticStep, *, batch: int = 1) -> None:
+        """Compile now every static head pass decoding batches of ``batch`` rows with ``step`` (its capacity
+        reserved) can run: a draft level, and a commit at every bucket an accepted path can fill."""
+        self.use_step(step)
+        attn, dev, k = self.head.midlayer.self_attn, self.backbone.device, self.expand
+        C = self._head_capacity()
+        keys = [torch.zeros(batch, attn.num_kv_heads, C, attn.head_dim, dtype=self.dtype, device=dev)]
+        values = [torch.zeros_like(keys[0])]
+        H, A = self.head.fc.weight.shape[0], self.head.fc.weight.shape[1]
+        idx = lambda n: torch.arange(n, device=dev)[None].repeat(batch, 1)   # noqa: E731
+        self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
+                     idx(k), idx(k)[..., None].repeat(1, 1, self.depth), False)
+        for n in sorted({bucket(m) for m in range(1, self._longest_path() + 1)}):   # (no two inputs alias, as in decoding)
+            self._static(keys, values, torch.zeros(batch, n, A, dtype=self.dtype, device=dev), idx(n), idx(n), idx(n),
+                         idx(n), idx(n)[..., None], True)
+
+    def _static_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], x: torch.Tensor, tokens: torch.Tensor,
+                     positions: torch.Tensor, slots: torch.Tensor, limit: torch.Tensor, vis: torch.Tensor,
+                     fuse: bool) -> torch.Tensor:
+        """One head call on every row of the static head cache: n slots per row (tokens, positions: (B, n))
+        written at ``slots`` (B, n); slot i of row b sees the slots below limit[b, i] and those in vis[b, i]
+        (B, n, S). x: the target's aux features (B, n, A*H) to fuse (``fuse``) or output states (B, n, H).
+        Returns (B, n, H) output states. Every shape is fixed by (B, n, S, the cache's capacity)."""
+        bb = self.backbone
+        B, n = tokens.shape
+        feature = self.head.fuse(x) if fuse else x
+        emb = bb.embed(tokens.reshape(-1)).view(B, n, -1).to(self.dtype)
+        t = torch.arange(keys[0].shape[2], device=tokens.device)
+        visible = (t < limit[..., None]) | (vis[..., None] == t).any(2)                       # (B, n, C)
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, n)
+        return self.head(feature, emb, position_embeddings=bb.rotary_emb(feature, position_ids=positions),
+                         cache=kv.SlotWriter(keys, values, rows, slots), attention_mask=additive_mask(visible, self.dtype))
+
+    def _padded(self, drafters: list["EagleDrafter"], *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
+        """The live rows' inputs (first dim R) placed at their rows of the head cache; the idle rows (finished
+        sequences) get zeros, except their slots (``xs[0]``): ``idle_slots`` (n,), past anything they will read."""
+        rows = torch.tensor([d.row for d in drafters], device=xs[0].device)
+        out = []
+        for i, x in enumerate(xs):
+            full = (idle_slots.expand(self.cache.batch, *x.shape[1:]) if i == 0
+                    else x.new_zeros(self.cache.batch, *x.shape[1:])).clone()
+            full[rows] = x
+            out.append(full)
+        return out
+
+    def _static_level(self, drafters: list["EagleDrafter"], feature: torch.Tensor, tokens: torch.Tensor,
+                      positions: torch.Tensor, committed: torch.Tensor, anc: torch.Tensor, d: int) -> torch.Tensor:
+        """Level d of every live row (R of them) at the static shape -> (R, k, H) output states. Node j of a
+        row writes slot committed + (d - 1) k + j (as eagerly) and sees the committed slots, its drafted
+        ancestors' (anc: (R, k, d - 1), their places in levels 1 .. d - 1) and its own, listed in
+        ``depth`` entries (the own slot repeated) so that every level has one shape."""
+        k, dev = self.expand, feature.device
+        own = committed[:, None] + (d - 1) * k + torch.arange(k, device=dev)                  # (R, k)
+        ancs = committed[:, None, None] + torch.arange(d - 1, device=dev)[None, None] * k + anc
+        vis = torch.cat([ancs, own[..., None].expand(-1, -1, self.depth - d + 1)], dim=2)    # (R, k, depth)
+        C = self.cache.keys[0].shape[2]
+        slots, feature, tokens, positions, limit, vis = self._padded(
+            drafters, own, feature.to(self.dtype), tokens, positions, committed[:, None].expand(-1, k), vis,
+            idle_slots=torch.arange(C - k, C, device=dev))
+        run = self._static(self.cache.keys, self.cache.values, feature, tokens, positions, slots, limit, vis, False)
+        return run[torch.tensor([x.row for x in drafters], device=dev)]
+
+    def _commit_static(self, drafters: list["EagleDrafter"], states: list[DecodeState], accepted: list[Accepted],
+                       outs: list[TargetOut]) -> None:
+        """``commit_rows`` at the static shape: every row's accepted slots in one call, padded to a bucket
+        (the padding's slots lie where the next step's drafts write before anything reads them)."""
+        dev = self.backbone.device
+        sizes = [len(a.path) for a in accepted]
+        N = bucket(max(sizes))
+        starts = torch.tensor([d.committed for d in drafters], device=dev)
+        aux = torch.zeros(len(drafters), N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
+        tokens = torch.zeros(len(drafters), N, dtype=torch.long, device=dev)
+        for b, (d, s, a, out) in enumerate(zip(drafters, states, accepted, outs)):
+            aux[b, : sizes[b]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(self.dtype)
+            tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
+        positions = starts[:, None] + torch.arange(N, device=dev)
+        C = self.cache.keys[0].shape[2]
+        slots, positions, aux, tokens, limit = self._padded(
+            drafters, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
+        run = self._static(self.cache.keys, self.cache.values, aux, tokens, positions, slots, limit,
+                           slots[..., None].clone(), True)
+        for b, d in enumerate(drafters):
+            d.committed = int(starts[b]) + sizes[b]
+            d.root_state = run[d.row: d.row + 1, sizes[b] - 1: sizes[b]]
+            self.cache.lengths[0][d.row] = d.committed   # the host's view (``KVCache.layer``) follows
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
