@@ -13,9 +13,20 @@ So each greedy step picks the width w that maximises the batch's expected tokens
 w, and cuts every row's tree to its w - 1 likeliest nodes (w = 1: a plain step). A node's chance
 is its path probability under the draft (``Draft.path_p``), or for copied tokens the measured
 prior of ``settings.COPY_ACCEPT_*``. Cutting a draft never changes which tokens greedy acceptance
-commits, only how many come per step; sampling is left alone (whether a node is proposed must not
-depend on what was drawn), and so are drafts whose drafter already ran part of the target on them
-(early exit's ``Resume``).
+commits, only how many come per step. Drafts whose drafter already ran part of the target on them
+(early exit's ``Resume``) are left whole.
+
+Sampling is cut too, and stays exact. Recursive rejection sampling (``verify.rejection_accept_tree``)
+needs each drafted child to be a draw from its q given the siblings tried before it, so a cut may
+end a node's list of drafted children early but never skip one and keep a later one, and what it
+keeps must not depend on the tokens drawn at that node. Both hold: when sampling, every drafter
+scores a node without its own token (EAGLE by its parent's r-th largest probability for rank r,
+Medusa by the row's largest, copied tokens and the draft model by depth priors), so siblings score in
+rank order and ties go to the lower rank (``trim``). A copied token is a point mass: keeping it after
+dropping a drafted sibling is still exact (its "draw" is certain). Which nodes a cut keeps may depend
+on tokens drawn elsewhere in the tree (an ancestor's, a sibling's subtree), which are fixed or
+independent of the acceptance at that node: the same as deciding how many children to draw before
+drawing them. ``tests/test_batch.py`` checks the output distribution with every width cut.
 
 The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
 and the widest, once per machine and model at the batch sizes met (kept for later processes by
@@ -70,16 +81,19 @@ def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
 
 
 def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:
-    """``draft`` cut to the root and its ``width - 1`` likeliest nodes (ties: earlier node first).
+    """``draft`` cut to the root and its ``width - 1`` likeliest nodes (ties: shallower, then lower rank,
+    then earlier node first).
 
-    A node's chance never exceeds its parent's, and a parent comes first, so the kept set is a tree.
+    A node's chance never exceeds its parent's, and ties go to the shallower, so the kept set is a
+    tree; among siblings of equal chance the lower rank (drawn first, when sampling) stays.
     p: ``path_p(draft)`` when the caller has it already."""
     n = draft.tree.size
     if n <= width or draft.resume is not None:
         return draft
     p = path_p(draft) if p is None else p
-    order = sorted(range(1, n), key=lambda i: (-float(p[i]), i))[: width - 1]
     old = draft.tree
+    depths, ranks = old.depths.tolist(), old.ranks.tolist()
+    order = sorted(range(1, n), key=lambda i: (-float(p[i]), depths[i], ranks[i], i))[: width - 1]
     keep = torch.tensor([0] + sorted(order), dtype=torch.long, device=old.parents.device)
     tree = subtree(old.parents, old.ranks, keep, max_depth=int(old.depths[keep].max()))
     return Draft(tree=tree, tokens=draft.tokens[keep.to(draft.tokens.device)],

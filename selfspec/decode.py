@@ -298,7 +298,7 @@ def decode_rows(
     per step verifies every row's tree; each row accepts, commits and stops on its own, and a
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
-    that the shapes (and the compiled graphs) never change. With ``cost`` (greedy), each step's trees
+    that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``budget.fit_width``; with ``step``, a ``VerifyCost``
     built on that step, which prices its buckets). Returns (new tokens per row,
     stats summed over rows)."""
@@ -337,7 +337,7 @@ def decode_rows(
         rows, live_drafters = [states[b] for b in live], [drafters[b] for b in live]
         t1 = time.perf_counter()
         drafts = drafter.draft_rows(live_drafters, rows)                            # DRAFT
-        if cost is not None and not params.do_sample:                               # (the width worth verifying)
+        if cost is not None:                                                        # (the width worth verifying)
             drafts = fit_width(drafts, cost, drafter.max_nodes, rows=None if step is None else B)
         _sync(dev)
         t2 = time.perf_counter()

@@ -35,6 +35,11 @@ CORPUS_HELP = ("lookup / medusa / eagle: where the context has no match, the loo
 # token, times COPY_ACCEPT_NEXT for each one after it. The lookup's measured acceptance by depth on
 # held-out chat prompts was 0.59, 0.46, 0.37, 0.31, 0.27 (0.66, 0.49, 0.34, 0.30, 0.25 on dev).
 COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT = 0.6, 0.8
+# The same when sampling (width fitting cuts sampled trees too), where a copied token is accepted only
+# as often as the target's distribution draws it: at temperature 0.7 on held-out chat prompts the
+# lookup's acceptance by depth was 0.51, 0.25, 0.14, 0.11 with the corpus, 0.50, 0.42, 0.33, 0.26
+# reading the context alone.
+COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT = 0.5, 0.6
 # Medusa's sparse tree for 4 heads (paths of candidate ranks): wide near the root where heads are
 # accurate, thin deeper; 15 nodes. `selfspec tune-tree` replaces it with what measures fastest.
 MEDUSA_DEFAULT: tuple[tuple[int, ...], ...] = (

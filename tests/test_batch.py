@@ -431,13 +431,31 @@ def _exact(model, prompt, params):
     return out
 
 
-def _batched_counts(bb, drafter, prompts, params, batches):
+class _CyclingWidths:
+    """Width fitting's cost stand-in: every step picks the next width in 1 .. widest, so steps cut the
+    rows' trees to every size (``budget.trim`` then keeps each row's likeliest nodes)."""
+
+    def __init__(self):
+        self.steps, self.cut = 0, 0
+
+    def width(self, chances, widest, rows=None):
+        self.steps += 1
+        w = 1 + self.steps % widest
+        self.cut += sum(int(c.numel() >= w) for c in chances)   # rows that lose nodes this step
+        return w
+
+    def observe(self, rows, width, seconds):
+        pass
+
+
+def _batched_counts(bb, drafter, prompts, params, batches, cost=None):
     """Rows alternate between the prompts (different lengths); counts of each prompt's first L tokens."""
     g = torch.Generator().manual_seed(3)
     counts = [{} for _ in prompts]
     rows = [torch.tensor(prompts[i % len(prompts)]) for i in range(8)]
     for _ in range(batches):
-        new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(), generator=g)
+        new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(), generator=g,
+                             cost=cost)
         for i, toks in enumerate(new):
             c = counts[i % len(prompts)]
             c[tuple(toks)] = c.get(tuple(toks), 0) + 1
@@ -455,12 +473,18 @@ def _sampling_setup():
     return model, bb, params, prompts, drafter
 
 
-def test_sampling_in_a_batch_is_lossless(one_thread):
+@pytest.mark.parametrize("fitted", [False, True], ids=["whole", "fitted"])
+def test_sampling_in_a_batch_is_lossless(fitted, one_thread):
+    """Sampled rows of a batch (EAGLE's beams plus copied chains) keep the target's distribution; fitted:
+    with every step's trees cut to a width that cycles through every size (width fitting's cuts)."""
     model, bb, params, prompts, drafter = _sampling_setup()
-    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8)
+    cost = _CyclingWidths() if fitted else None
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8, cost=cost)
     for prompt, c in zip(prompts, counts):
         stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
         assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
+    if fitted:
+        assert cost.cut > N // 4, "not vacuous: many rows' trees were cut"
 
 
 def test_batch_sampling_check_catches_rows_judged_by_each_others_logits(one_thread, monkeypatch):

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import torch
 
 from ..corpus import Corpus
-from ..settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT, DEFAULT_LOOKUP
+from ..settings import (COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT, COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT,
+                        DEFAULT_LOOKUP)
 from ..tree import Path, Tree, build_tree
 from .base import DecodeState, Draft, Drafter, check_lookup, prior_path_p
 
@@ -88,16 +89,18 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
-def grafted_path_p(draft: Draft, tree: Tree) -> torch.Tensor:
+def grafted_path_p(draft: Draft, tree: Tree, *, sampled: bool = False) -> torch.Tensor:
     """(n,) path probabilities of ``tree`` (``draft``'s tree with copied nodes appended): the draft's own
     for its nodes (the copied-token prior where it has none), and for each copied node its parent's
-    times COPY_ACCEPT_FIRST (under the root) or COPY_ACCEPT_NEXT (settings.py)."""
+    times COPY_ACCEPT_FIRST (under the root) or COPY_ACCEPT_NEXT (settings.py; their SAMPLED pair
+    when ``sampled``). A copied node's chance never exceeds its parent's."""
     n_old = draft.tree.size
     old = draft.path_p.float() if draft.path_p is not None else prior_path_p(draft.tree).to(draft.tokens.device)
+    first, nxt = (COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT) if sampled else (COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT)
     parents = tree.parents.tolist()
     out = old.tolist() + [0.0] * (tree.size - n_old)
     for i in range(n_old, tree.size):
-        out[i] = out[parents[i]] * (COPY_ACCEPT_FIRST if parents[i] == 0 else COPY_ACCEPT_NEXT)
+        out[i] = out[parents[i]] * (first if parents[i] == 0 else nxt)
     return torch.tensor(out, device=old.device)
 
 
@@ -116,7 +119,7 @@ def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, co
     paths, merged = graft(draft.tree.paths, tokens.tolist(), copied)
     tree = build_tree(paths, str(tokens.device))
     merged = torch.tensor(merged, device=tokens.device)
-    path_p = grafted_path_p(draft, tree)
+    path_p = grafted_path_p(draft, tree, sampled=state.params.do_sample)
     if not state.params.do_sample:
         return Draft(tree=tree, tokens=merged, resume=draft.resume, path_p=path_p)
     n_old, n_new = draft.tree.size, tree.size - draft.tree.size
