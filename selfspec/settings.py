@@ -40,6 +40,11 @@ COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT = 0.6, 0.8
 # lookup's acceptance by depth was 0.51, 0.25, 0.14, 0.11 with the corpus, 0.50, 0.42, 0.33, 0.26
 # reading the context alone.
 COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT = 0.5, 0.6
+# Where compile=True also runs the EAGLE head's draft step at static shapes (compiled; CUDA graphs):
+# on CUDA, where an eager head call is dozens of kernel launches. On the 2-core development CPU the
+# compiled head decoded 2-4% slower than the eager one in two interleaved runs of 10 held-out prompts
+# (scripts/compiled_head_ab.py), so it stays eager there.
+STATIC_EAGLE_HEAD_DEVICES = ("cuda",)
 # Medusa's sparse tree for 4 heads (paths of candidate ranks): wide near the root where heads are
 # accurate, thin deeper; 15 nodes. `selfspec tune-tree` replaces it with what measures fastest.
 MEDUSA_DEFAULT: tuple[tuple[int, ...], ...] = (

@@ -121,7 +121,8 @@ def every_drafter(arch: str):
                          build_tree(chain_with_siblings(3, 2))),
         DraftModelDrafter(tiny_model(arch), build_tree(chain(3)), vocab_size=bb.vocab_size),   # the target itself
         DraftModelDrafter(truncated_copy(model, 2), build_tree(chain(3)), vocab_size=bb.vocab_size, threshold=0.3),
-        EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=3, expand=2, nodes=4, lookup=4),
+        EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=3, expand=2, nodes=4, lookup=4,
+                     static_head=True),   # its head static too under the static step (the default on CUDA)
     ]
 
 

@@ -128,6 +128,7 @@ def test_demo_compiled_step_identical_to_transformers(demo, references):
     sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter="eagle", tree="dynamic-3-2-3", lookup=0,
                                               device=demo.model.device, dtype=torch.float32, compile=True)
     assert sm.step is not None and sm.step.compiled
+    sm.drafter.static_head = True   # the default on CUDA only (settings.STATIC_EAGLE_HEAD_DEVICES): test it here too
     rows = [ids[0] for ids, _ in references]
     out = sm.generate(rows, max_new_tokens=N_NEW, do_sample=False)
     T = max(len(r) for r in rows)

@@ -152,7 +152,8 @@ def test_eagle_batched_commit_matches_a_fresh_run_in_every_row(static, one_threa
     eos = conts[1][12]                                  # row 1 (at least) stops early and leaves the batch
     expected = [c[: c.index(eos) + 1] if eos in c else c for c in conts]
     CheckedEagle.accepted = set()
-    drafter = CheckedEagle(bb, heads, depth=3, expand=2, nodes=4, references=references, dtype=torch.float32)
+    drafter = CheckedEagle(bb, heads, depth=3, expand=2, nodes=4, references=references, dtype=torch.float32,
+                           static_head=True)
     new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids={eos}, generator=None,
                          step=StaticStep(bb, compile=False) if static else None)
     assert new == expected and len({len(x) for x in new}) > 1
@@ -174,8 +175,9 @@ class LoggedEagle(EagleDrafter):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["static", "compiled"])
 def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread):
-    """With a static verify step the head runs at static shapes (its cache preallocated, every level and
-    commit one fixed-shape call over all rows; compiled with ``compile``): every step of a batch (ragged
+    """With a static verify step and ``static_head`` (the default on CUDA) the head runs at static shapes
+    (its cache preallocated, every level and commit one fixed-shape call over all rows; compiled with
+    ``compile``): every step of a batch (ragged
     rows, rows stopping at different levels under a threshold, one row finishing early) drafts the
     trees, tokens and path probabilities the eager head drafts, and the output is the reference."""
     from selfspec.decode import decode_rows
@@ -195,7 +197,8 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
     logs = []
     for step in (None, StaticStep(bb, compile=compile)):
         LoggedEagle.log = []
-        drafter = LoggedEagle(bb, heads, depth=3, expand=2, nodes=3, threshold=0.04, dtype=torch.float32)
+        drafter = LoggedEagle(bb, heads, depth=3, expand=2, nodes=3, threshold=0.04, dtype=torch.float32,
+                              static_head=True)
         if step is not None:   # as a benchmark's warm-up does: after it, decoding compiles nothing
             step.reserve(max(p.shape[0] for p in prompts) + 24)
             step.warm_up(batch=len(prompts), max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
@@ -497,3 +500,21 @@ def test_warm_start_may_add_or_drop_aux_layers(one_thread):
     disjoint = untrained_heads("eagle", model, "tiny", aux_layers=[2])
     with pytest.raises(ValueError, match="aux_layers"):
         check_init_shape(init, disjoint, "init")
+
+
+def test_the_head_runs_static_where_settings_say_unless_told():
+    """``static_head=None`` follows ``settings.STATIC_EAGLE_HEAD_DEVICES`` (CUDA: on CPU the compiled head
+    measured slower than the eager one); True or False decide; without a static step it is always eager."""
+    from selfspec.settings import STATIC_EAGLE_HEAD_DEVICES
+    from selfspec.step import StaticStep
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "t")
+    step = StaticStep(bb, compile=False)
+    for static_head, expected in ((None, "cpu" in STATIC_EAGLE_HEAD_DEVICES), (True, True), (False, False)):
+        drafter = EagleDrafter(bb, heads, static_head=static_head)
+        drafter.use_step(step)
+        assert (drafter._static is not None) == expected and (drafter.static_step is step) == expected
+        drafter.use_step(None)
+        assert drafter._static is None and drafter.static_step is None

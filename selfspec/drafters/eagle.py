@@ -33,8 +33,8 @@ whose best path fell below the threshold sits that level out), and so do every r
 after a step (paths of different lengths padded, the padding cut off). Every row gets the tree it
 would get alone.
 
-Compiled (``use_step`` with a static verify step, ``compile=True``), the head drafts at static
-shapes too: its cache is preallocated with a row per batch row (a finished row idles in it), each
+Compiled (``use_step`` with a static verify step, ``compile=True``), on a GPU the head drafts at
+static shapes too (``static_head``; on CPU it measured a little slower than eager, so it stays eager): its cache is preallocated with a row per batch row (a finished row idles in it), each
 head call (a draft level of every row; a step's accepted slots, padded to a bucket) writes at
 tensor slots and builds its mask from tensors, and runs as one function of fixed shapes, compiled
 as the verify step is (a CUDA graph on GPU). Drafting and the trees it gives are unchanged.
@@ -57,6 +57,7 @@ from ..corpus import Corpus
 from ..heads import Heads
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
+from ..settings import STATIC_EAGLE_HEAD_DEVICES
 from ..static import StaticFunction, bucket
 from ..tree import additive_mask, subtree
 from ..verify import Accepted
@@ -98,7 +99,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, backbone: Backbone, heads: Heads, *, depth: int = 5, expand: int = 4, nodes: int = 8,
                  threshold: float = 0.0, lookup: int = 0, corpus: Corpus | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, static_head: bool | None = None):
         aux = tuple(heads.config.aux_layers)
         if len(aux) == 0 or not all(0 < a <= backbone.num_layers for a in aux):
             raise ValueError(f"eagle aux layers {aux} must lie between 1 and {backbone.num_layers}")
@@ -106,6 +107,8 @@ class EagleDrafter(Drafter):
         self.heads = heads
         # dtype: what the head drafts in (default: ``draft_dtype``); a copy when it differs from the loaded head's.
         self.dtype = dtype or draft_dtype(backbone.device, backbone.dtype)
+        # Under a static verify step, whether the head runs static too (use_step); None: where it pays.
+        self.static_head = static_head
         loaded = next(heads.module.parameters()).dtype
         self.head = heads.module if self.dtype == loaded else copy.deepcopy(heads.module).to(self.dtype)
         self.depth, self.expand, self.nodes = check_dynamic_tree(depth, expand, nodes)
@@ -317,8 +320,11 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ static shapes (compile=True)
     def use_step(self, step: StaticStep | None) -> None:
-        """Decode with ``step`` (None: eagerly): the head's calls then run at static shapes, compiled as it is."""
-        if step is None:
+        """Decode with ``step`` (None: eagerly): the head's calls then run at static shapes, compiled as it is,
+        if ``static_head`` says so, by default on the devices of ``settings.STATIC_EAGLE_HEAD_DEVICES``."""
+        static = self.static_head if self.static_head is not None else \
+            step is not None and step.backbone.device.type in STATIC_EAGLE_HEAD_DEVICES
+        if step is None or not static:
             self.static_step = self._static = None
         elif step is not self.static_step:
             self.static_step, self._static = step, step.function(self._static_pass)
@@ -337,6 +343,8 @@ class EagleDrafter(Drafter):
         """Compile now every static head pass decoding batches of ``batch`` rows with ``step`` (its capacity
         reserved) can run: a draft level, and a commit at every bucket an accepted path can fill."""
         self.use_step(step)
+        if self._static is None:
+            return
         attn, dev, k = self.head.midlayer.self_attn, self.backbone.device, self.expand
         C = self._head_capacity()
         keys = [torch.zeros(batch, attn.num_kv_heads, C, attn.head_dim, dtype=self.dtype, device=dev)]
