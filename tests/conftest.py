@@ -25,6 +25,16 @@ TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=256)
 
 
+def jitter(module: torch.nn.Module, std: float, seed: int) -> torch.Generator:
+    """Add seeded Gaussian noise (``std``) to every parameter of ``module`` in place: untrained heads or a
+    draft that propose varied, partly right tokens. Returns the generator, for more draws after it."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return g
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     """A random-init causal LM of ``arch``, fp32, eval mode, sdpa attention."""
     import transformers as tf

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import chi2_check, hf_greedy, tiny_model
+from conftest import chi2_check, hf_greedy, jitter, tiny_model
 from selfspec import decode as decode_mod
 from selfspec.backbone import Backbone
 from selfspec.cache import KVCache
@@ -135,10 +135,7 @@ def test_medusa_drafts_a_batch_in_one_call_exactly_as_row_by_row(token_input, on
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("medusa", model, "t", token_input=token_input)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in heads.module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    g = jitter(heads.module, 0.5, seed=3)
     first = MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=0.01, gate=0.1, lookup=3)
     rows = [copy.copy(first) for _ in range(4)]
     states = []
@@ -173,10 +170,7 @@ def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshol
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("eagle", model, "t")
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in heads.module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    jitter(heads.module, 0.3, seed=5)
     prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
     first = EagleDrafter(bb, heads, depth=4, expand=3, nodes=7, threshold=threshold, lookup=2, dtype=torch.float32)
     states, outs = _prefilled(bb, prompts, first.capture_layers)
@@ -204,10 +198,7 @@ def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_ro
     model = tiny_model("llama", num_hidden_layers=6)
     bb = Backbone(model)
     heads = untrained_heads("early-exit", model, "t", exit_layer=3, adapter=adapter)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in heads.module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    jitter(heads.module, 0.05, seed=2)
     prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
     start = lambda batch: _prefilled(bb, batch, (3,) if adapter == "layer" else ())   # noqa: E731
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from conftest import chi2_check, distill_dataset, hf_greedy, tiny_model
+from conftest import chi2_check, distill_dataset, hf_greedy, jitter, tiny_model
 from selfspec import cache as kv
 from selfspec.backbone import Backbone, config_fingerprint
 from selfspec.decode import decode
@@ -186,10 +186,7 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("eagle", model, "t")
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in heads.module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    jitter(heads.module, 0.3, seed=5)
     prompts = [_prompt(model.config.vocab_size, seed, n)[0] for seed, n in ((3, 7), (4, 3), (5, 10))]
     conts = [hf_greedy(model, p[None], 24)[0, p.shape[0]:].tolist() for p in prompts]
     eos = conts[1][9]

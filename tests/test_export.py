@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import hf_greedy, tiny_model
+from conftest import hf_greedy, jitter, tiny_model
 from engine_readers import Eagle3Draft, MedusaHeads
 from selfspec import cache as kv
 from selfspec.backbone import Backbone, config_fingerprint
@@ -37,10 +37,7 @@ def target(tmp_path_factory):
 
 
 def _randomised(heads, seed: int, std: float = 0.1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
+    jitter(heads.module, std, seed)
     return heads
 
 
