@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -28,6 +29,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if not os.path.isfile(args.prompts):
+        ap.exit(2, f"compiled_head_ab: no prompts file {args.prompts!r}: pass a JSONL file with a 'prompt' field\n")
+    if args.n < 1 or args.max_new_tokens < 1:
+        ap.exit(2, "compiled_head_ab: --n and --max-new-tokens must be at least 1\n")
     torch.set_num_threads(args.threads)
     sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter="eagle", compile=True, dtype=torch.float32)
     st = sm.settings

@@ -515,3 +515,5 @@ def test_the_head_runs_static_where_settings_say_unless_told():
         assert (drafter._static is not None) == expected and (drafter.static_step is step) == expected
         drafter.use_step(None)
         assert drafter._static is None and drafter.static_step is None
+    with pytest.raises(ValueError, match="static_head must be"):
+        EagleDrafter(bb, heads, static_head="yes")

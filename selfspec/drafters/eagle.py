@@ -34,7 +34,8 @@ after a step (paths of different lengths padded, the padding cut off). Every row
 would get alone.
 
 Compiled (``use_step`` with a static verify step, ``compile=True``), on a GPU the head drafts at
-static shapes too (``static_head``; on CPU it measured a little slower than eager, so it stays eager): its cache is preallocated with a row per batch row (a finished row idles in it), each
+static shapes too (``static_head``; on CPU it measured a little slower than eager, so it stays
+eager there): its cache is preallocated with a row per batch row (a finished row idles in it), each
 head call (a draft level of every row; a step's accepted slots, padded to a bucket) writes at
 tensor slots and builds its mask from tensors, and runs as one function of fixed shapes, compiled
 as the verify step is (a CUDA graph on GPU). Drafting and the trees it gives are unchanged.
@@ -108,6 +109,8 @@ class EagleDrafter(Drafter):
         # dtype: what the head drafts in (default: ``draft_dtype``); a copy when it differs from the loaded head's.
         self.dtype = dtype or draft_dtype(backbone.device, backbone.dtype)
         # Under a static verify step, whether the head runs static too (use_step); None: where it pays.
+        if static_head not in (None, True, False):
+            raise ValueError(f"static_head must be True, False or None (got {static_head!r})")
         self.static_head = static_head
         loaded = next(heads.module.parameters()).dtype
         self.head = heads.module if self.dtype == loaded else copy.deepcopy(heads.module).to(self.dtype)
@@ -374,10 +377,10 @@ class EagleDrafter(Drafter):
         return self.head(feature, emb, position_embeddings=bb.rotary_emb(feature, position_ids=positions),
                          cache=kv.SlotWriter(keys, values, rows, slots), attention_mask=additive_mask(visible, self.dtype))
 
-    def _padded(self, drafters: list["EagleDrafter"], *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
-        """The live rows' inputs (first dim R) placed at their rows of the head cache; the idle rows (finished
-        sequences) get zeros, except their slots (``xs[0]``): ``idle_slots`` (n,), past anything they will read."""
-        rows = torch.tensor([d.row for d in drafters], device=xs[0].device)
+    def _padded(self, rows: torch.Tensor, *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
+        """The live rows' inputs (first dim R) placed at their ``rows`` (R,) of the head cache; the idle rows
+        (finished sequences) get zeros, except their slots (``xs[0]``): ``idle_slots`` (n,), past anything
+        they will read."""
         out = []
         for i, x in enumerate(xs):
             full = (idle_slots.expand(self.cache.batch, *x.shape[1:]) if i == 0
@@ -397,11 +400,12 @@ class EagleDrafter(Drafter):
         ancs = committed[:, None, None] + torch.arange(d - 1, device=dev)[None, None] * k + anc
         vis = torch.cat([ancs, own[..., None].expand(-1, -1, self.depth - d + 1)], dim=2)    # (R, k, depth)
         C = self.cache.keys[0].shape[2]
+        rows = torch.tensor([x.row for x in drafters], device=dev)
         slots, feature, tokens, positions, limit, vis = self._padded(
-            drafters, own, feature.to(self.dtype), tokens, positions, committed[:, None].expand(-1, k), vis,
+            rows, own, feature.to(self.dtype), tokens, positions, committed[:, None].expand(-1, k), vis,
             idle_slots=torch.arange(C - k, C, device=dev))
         run = self._static(self.cache.keys, self.cache.values, feature, tokens, positions, slots, limit, vis, False)
-        return run[torch.tensor([x.row for x in drafters], device=dev)]
+        return run[rows]
 
     def _commit_static(self, drafters: list["EagleDrafter"], states: list[DecodeState], accepted: list[Accepted],
                        outs: list[TargetOut]) -> None:
@@ -419,7 +423,8 @@ class EagleDrafter(Drafter):
         positions = starts[:, None] + torch.arange(N, device=dev)
         C = self.cache.keys[0].shape[2]
         slots, positions, aux, tokens, limit = self._padded(
-            drafters, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
+            torch.tensor([d.row for d in drafters], device=dev), positions, positions, aux, tokens, positions + 1,
+            idle_slots=torch.arange(C - N, C, device=dev))
         run = self._static(self.cache.keys, self.cache.values, aux, tokens, positions, slots, limit,
                            slots[..., None].clone(), True)
         for b, d in enumerate(drafters):
