@@ -38,8 +38,8 @@ def _bench_section(bench: dict, method: str) -> list[str]:
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
             f"(median per prompt {m['speedup_median']:.2f}x)",
             f"- identical to transformers greedy: {m['identical']}"]
-    kind = method.split("@")[0].removeprefix("selfspec-")   # METHOD@DIR: the settings shown are the base method's
-    used = {k.removeprefix(f"{kind}_"): v for k, v in (c.get("heads") or {}).items() if k.startswith(f"{kind}_")}
+    prefix = method.removeprefix("selfspec-") + "_"   # the bench records "eagle_tree", "eagle@DIR_tree", ...
+    used = {k.removeprefix(prefix): v for k, v in (c.get("heads") or {}).items() if k.startswith(prefix)}
     if used:
         lines.append("- settings used: " + ", ".join(f"{k} {v}" for k, v in used.items()))
     look = bench["methods"].get("selfspec-lookup")

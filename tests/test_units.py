@@ -246,3 +246,20 @@ def test_shipped_checkpoints_stay_under_30_mb():
     files = [p for p in root.rglob("*") if p.is_file() and p.name != "trainer_state.pt" and ".tmp-" not in p.name]
     assert files, "no shipped checkpoints"
     assert sum(p.stat().st_size for p in files) < 30e6
+
+
+def test_model_card_shows_the_settings_of_the_method_it_was_measured_as():
+    # A bench of the shipped heads beside other heads (METHOD@DIR) records both; the card of the other
+    # heads must show their own settings, not the shipped ones.
+    from selfspec.card import _bench_section
+
+    method = {"tau": 2.1, "acceptance_by_depth": [0.7], "speedup": 2.0, "speedup_median": 2.0, "identical": True}
+    bench = {"methods": {"selfspec-eagle": method, "selfspec-eagle@h/new": method},
+             "config": {"command": "selfspec bench ...", "n_prompts": 2, "prompts": "p.jsonl", "max_new_tokens": 8,
+                        "device": "cpu", "threads": 2, "dtype": "float32",
+                        "heads": {"eagle_tree": "dynamic-6-2-6", "eagle_threshold": 0.4,
+                                  "eagle@h/new_tree": "dynamic-5-2-4", "eagle@h/new_threshold": 0.3}}}
+    [used] = [line for line in _bench_section(bench, "selfspec-eagle@h/new") if "settings used" in line]
+    assert used == "- settings used: tree dynamic-5-2-4, threshold 0.3"
+    [used] = [line for line in _bench_section(bench, "selfspec-eagle") if "settings used" in line]
+    assert used == "- settings used: tree dynamic-6-2-6, threshold 0.4"
