@@ -52,7 +52,7 @@ from ..loading import check_model_name, load_model
 from ..model import tune_layouts
 from ..projection import few_row_linears
 from ..sampling import SamplingParams
-from ..settings import DecodeSettings
+from ..settings import DEFAULT_MAX_NEW_TOKENS, DecodeSettings
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
 from ..tuned_pairs import read_pair_record, write_pair_record
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
@@ -61,6 +61,12 @@ from .data import read_meta
 from .losses import to_subset_ids
 from .split import Sequence, recorded_split
 
+# Timing: more prompts rather than repeats of a few (prompts differ far more than runs of one prompt), at the
+# length the bench measures. Timed at 64 new tokens on 10 broad prompts, the EAGLE head's pick dropped the
+# context lookup (within 5% of the best there) and measured 14% slower than the shipped settings on held-out
+# prompts at 128 tokens; at 128 tokens on 12 prompts the lookup's candidates led by 20% (copying from the
+# context pays more the longer the answer; docs/results/README.md, "tune-tree at the bench's length").
+TUNE_PROMPTS, TUNE_REPEATS, TUNE_NEW_TOKENS = 12, 1, DEFAULT_MAX_NEW_TOKENS
 MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
 # Also timed cut by confidence (all of the above are timed uncut). On the 2-core dev CPU, verifying
@@ -189,8 +195,9 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
     return runs, ratios
 
 
-def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 12, max_new_tokens: int = 128,
-              repeats: int = 1, progress: bool = True, prune: bool = True, tolerance: float = 0.05,
+def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUNE_PROMPTS,
+              max_new_tokens: int = TUNE_NEW_TOKENS, repeats: int = TUNE_REPEATS, progress: bool = True,
+              prune: bool = True, tolerance: float = 0.05,
               prompts: list[torch.Tensor] | None = None, corpus=None) -> tuple[Candidate, list[Candidate], list | None]:
     """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
 
@@ -238,7 +245,8 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = 12,
     return pick(cands, tolerance=tolerance), cands, acc
 
 
-def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_tokens: int = 128, repeats: int = 1,
+def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_tokens: int = TUNE_NEW_TOKENS,
+                     repeats: int = TUNE_REPEATS,
                      progress: bool = True, prune: bool = True,
                      tolerance: float = 0.05) -> tuple[Candidate, list[Candidate]]:
     """Time the draft model's chains (``DRAFT_GRID``) against plain decoding as ``tune_tree`` times
@@ -295,15 +303,11 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="time on a seeded sample (--prompts-n, --seed) of this JSONL prompt file instead of the held-out "
                         "split: prompts the heads never saw, of the kinds they will serve")
     p.add_argument("--seed", type=int, default=0, help="which --prompts sample (default 0)")
-    # Defaults: more prompts rather than repeats of a few, at the length the bench measures. Timed at 64 new
-    # tokens on 10 broad prompts, the EAGLE head's pick dropped the context lookup (within 5% of the best there)
-    # and measured 14% slower than the shipped settings on held-out prompts at 128 tokens; at 128 tokens on 12
-    # prompts, the lookup's candidates led by 20% (docs/results/README.md, "tune-tree at the bench's length").
-    p.add_argument("--prompts-n", type=int, default=12, help="prompts to time on (default 12)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="new tokens per timed run (default 128): copying from the context pays more the longer "
-                        "the answer, so short runs undervalue the lookup")
-    p.add_argument("--repeats", type=int, default=1, help="rounds over the prompts (default 1)")
+    p.add_argument("--prompts-n", type=int, default=TUNE_PROMPTS, help=f"prompts to time on (default {TUNE_PROMPTS})")
+    p.add_argument("--max-new-tokens", type=int, default=TUNE_NEW_TOKENS,
+                   help=f"new tokens per timed run (default {TUNE_NEW_TOKENS}, as the bench): copying from the context "
+                        "pays more the longer the answer, so short runs undervalue the lookup")
+    p.add_argument("--repeats", type=int, default=TUNE_REPEATS, help=f"rounds over the prompts (default {TUNE_REPEATS})")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
     p.add_argument("--tolerance", type=float, default=0.05,
