@@ -61,11 +61,8 @@ from .data import read_meta
 from .losses import to_subset_ids
 from .split import Sequence, recorded_split
 
-# Timing: more prompts rather than repeats of a few (prompts differ far more than runs of one prompt), at the
-# length the bench measures. Timed at 64 new tokens on 10 broad prompts, the EAGLE head's pick dropped the
-# context lookup (within 5% of the best there) and measured 14% slower than the shipped settings on held-out
-# prompts at 128 tokens; at 128 tokens on 12 prompts the lookup's candidates led by 20% (copying from the
-# context pays more the longer the answer; docs/results/README.md, "tune-tree at the bench's length").
+# Timing: more prompts rather than repeats of a few, at the bench's length (short runs undervalue the
+# context lookup: docs/training.md, where it describes `tune-tree`, gives the measurement).
 TUNE_PROMPTS, TUNE_REPEATS, TUNE_NEW_TOKENS = 12, 1, DEFAULT_MAX_NEW_TOKENS
 MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
