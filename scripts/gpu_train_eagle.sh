@@ -7,7 +7,8 @@
 # decode settings (tree, threshold, lookup) of the shipped EAGLE head until `selfspec tune-tree` reruns.
 #
 #   scripts/gpu_train_eagle.sh --prompts FILE --out DIR [--gen-seconds 150] [--train-seconds 200]
-#                              [--data LIST] [--init DIR] [--batch-size 32] [--gen-batch 384] [--device cuda]
+#                              [--data LIST] [--init DIR] [--batch-size 32] [--gen-batch 384] [--gen-static]
+#                              [--device cuda]
 #
 #   --prompts FILE       JSONL prompts to answer (id, prompt): e.g. the broad set, shuffled once
 #   --out DIR            DIR/data: the new answers; DIR/heads: the trained head (DIR/cal: the timing run)
@@ -15,12 +16,14 @@
 #                        default: the committed self-distillation data of the demo model
 #   --init DIR           heads to warm-start from (default: none, from scratch; a warm start needs the data the
 #                        init was trained on, to keep its held-out split held out)
+#   --gen-static         answer with `gen-data --static-cache` (one shape for every batch, compiled once by
+#                        transformers: CUDA graphs); if that call fails, the run goes on without it
 # Env: MODEL (smollm2-135m), CHUNK (prompts per gen-data call, 6144: each call answers its chunk longest
 # first, so chunks keep a stopped run's answers a fair sample), STEPS_MIN (20), TRAIN_ARGS (more train-heads flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PROMPTS="" OUT="" GEN_S=150 TRAIN_S=200 INIT="" BATCH=32 GEN_BATCH=384 DEVICE=cuda
+PROMPTS="" OUT="" GEN_S=150 TRAIN_S=200 INIT="" BATCH=32 GEN_BATCH=384 DEVICE=cuda STATIC=()
 DATA=training/data/smollm2-135m-greedy,training/data/smollm2-135m-t0.7,training/data/smollm2-135m-self-instruct,training/data/smollm2-135m-broad-self
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -32,8 +35,9 @@ while [ $# -gt 0 ]; do
         --init) INIT="$2"; shift 2 ;;
         --batch-size) BATCH="$2"; shift 2 ;;
         --gen-batch) GEN_BATCH="$2"; shift 2 ;;
+        --gen-static) STATIC=(--static-cache); shift ;;
         --device) DEVICE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "gpu_train_eagle: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -59,9 +63,16 @@ for ((n = CHUNK; ; n += CHUNK)); do
     left=$(( deadline - $(now) ))
     [ "$left" -gt 10 ] || break
     # SIGINT at the deadline: the shard being written is dropped whole, every finished one stays
+    rc=0
     timeout -s INT "$left" "$PY" -m selfspec gen-data --model "$MODEL" --prompts "$PROMPTS" --out "$OUT/data" \
         --max-prompts "$n" --max-new-tokens 160 --max-prompt-tokens 384 --batch-size "$GEN_BATCH" --shard-size 1 \
-        --dtype bfloat16 --device "$DEVICE" --no-progress || true
+        --dtype bfloat16 --device "$DEVICE" --no-progress "${STATIC[@]}" || rc=$?
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "${#STATIC[@]}" -gt 0 ]; then
+        echo "== gen-data --static-cache failed (exit $rc): answering the rest without it"
+        STATIC=()
+        n=$(( n - CHUNK ))   # this chunk again
+        continue
+    fi
     [ "$n" -ge "$total" ] && break
 done
 ls "$OUT/data"/shard-* >/dev/null 2>&1 || { echo "gpu_train_eagle: no answers were stored in $OUT/data" >&2; exit 1; }

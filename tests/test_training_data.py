@@ -146,6 +146,29 @@ def test_batched_greedy_matches_one_prompt_at_a_time(tmp_path):
     assert as_dict(batched) == as_dict(single)
 
 
+def test_static_cache_answers_as_the_dynamic_cache_does(tmp_path):
+    # One shape for every call: prompts padded to max_prompt_tokens, the short last batch filled with
+    # copies (answers dropped), a preallocated cache. Greedy answers must not change.
+    model, tokenizer = make_model(), make_tokenizer(chat=True)
+    rows = prompts(5)
+    shapes = []
+    original = model.generate
+
+    def generate(**kwargs):
+        shapes.append((tuple(kwargs["input_ids"].shape), kwargs.get("cache_implementation")))
+        return original(**kwargs)
+
+    model.generate = generate
+    kw = dict(max_new_tokens=6, batch_size=2, max_prompt_tokens=16, progress=False)
+    static = generate_distillation_data(model, tokenizer, rows, tmp_path / "static", static_cache=True, **kw)
+    assert shapes == [((2, 16), "static")] * 3
+    dynamic = generate_distillation_data(model, tokenizer, rows, tmp_path / "dynamic", **kw)
+    assert all(cache is None for _, cache in shapes[3:])
+    as_dict = lambda ds: {r["id"]: (r["input_ids"], r["response_start"], r["n_response"]) for r in ds}  # noqa: E731
+    assert len(static) == len(rows)
+    assert as_dict(static) == as_dict(dynamic)
+
+
 def test_response_stops_after_first_eos_which_is_kept(tmp_path):
     model, tokenizer = make_model(), make_tokenizer(chat=True)
     rows = prompts(4)

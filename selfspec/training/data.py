@@ -66,6 +66,7 @@ class DataGenConfig:
     seed: int = 0
     max_prompt_tokens: int = 512
     shard_size: int = 8  # batches per shard: the most work a killed run can lose
+    static_cache: bool = False  # one shape for every batch on a preallocated KV cache (see generate_distillation_data)
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,7 @@ def generate_distillation_data(
     model_name: str | None = None,
     progress: bool = True,
     references: bool = False,
+    static_cache: bool = DataGenConfig.static_cache,
 ) -> datasets.Dataset:
     """Let ``model`` answer every prompt whose id is not yet in ``out_dir``; return all rows stored there.
 
@@ -285,6 +287,14 @@ def generate_distillation_data(
     Every ``shard_size`` batches become one shard. ``model_name`` (default: ``model.config.name_or_path``)
     goes into ``meta.json``; ValueError if ``out_dir`` was made with other settings (see
     ``COMPARED_SETTINGS``) or another run is writing to it. The returned rows are in shard order.
+
+    ``static_cache=True`` gives every ``generate`` call one shape: prompts left-padded to
+    ``max_prompt_tokens``, a short last batch filled up to ``batch_size`` with copies of its first
+    prompt (their answers are dropped), and transformers' preallocated ("static") KV cache. On a GPU,
+    transformers then compiles the decoding step (CUDA graphs) once for the whole run, instead of
+    paying Python and kernel launches for every layer of every token, which is what bounds eager
+    generation of a small model at any batch size. Greedy answers are the same either way (up to
+    float rounding in the attention over the padded width); sampled ones are other draws.
     """
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise ValueError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must all be >= 1")
@@ -343,6 +353,7 @@ def generate_distillation_data(
                         rows += _answer_batch(
                             model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, seed=_batch_seed(seed, [row_id for row_id, _ in batch]),
+                            shape=(batch_size, max_prompt_tokens) if static_cache else None,
                         )
                     n_tokens += sum(row["n_response"] for row in rows[-len(batch):])
                     bar.update(len(batch))
@@ -368,17 +379,23 @@ def _reference_batch(tokenizer, batch: list[tuple[str, list[int]]], refs: dict, 
 
 
 def _answer_batch(model, batch: list[tuple[str, list[int]]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
-                  temperature: float, seed: int) -> list[dict]:
-    """Rows for one batch of (id, prompt token ids), generated as one left-padded ``generate`` call."""
+                  temperature: float, seed: int, shape: tuple[int, int] | None = None) -> list[dict]:
+    """Rows for one batch of (id, prompt token ids), generated as one left-padded ``generate`` call.
+
+    shape: (rows, width) to run every call at (a static KV cache): the batch is filled up to ``rows``
+    with copies of its first prompt and left-padded to ``width`` tokens; None: the batch as it is."""
     device = model.device
-    width = max(len(p) for _, p in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
-    for i, (_, p) in enumerate(batch):
+    padded = batch if shape is None else batch + [batch[0]] * (shape[0] - len(batch))
+    width = max(len(p) for _, p in batch) if shape is None else shape[1]
+    input_ids = torch.full((len(padded), width), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(padded), width), dtype=torch.long)  # (B, T)
+    for i, (_, p) in enumerate(padded):
         # Left padding: every prompt ends at column T-1, so every response starts at column T.
         input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         attention_mask[i, width - len(p):] = 1
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id)
+    if shape is not None:
+        kwargs["cache_implementation"] = "static"
     if temperature > 0:
         # Override any top-k/top-p in the model's generation_config: the heads must learn the model's own distribution.
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
@@ -570,6 +587,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--references", action="store_true",
                         help="teacher forcing: store each prompt's \"reference\" answer instead of generating one "
                              "(rows without a reference are left out); training runs the target over it")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="run every batch at one shape (--batch-size rows, prompts padded to --max-prompt-tokens) "
+                             "on a preallocated KV cache, which transformers compiles once on a GPU (CUDA graphs)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -635,6 +655,7 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
         model_name=loaded.name,
         progress=not args.no_progress,
         references=args.references,
+        static_cache=args.static_cache,
     )
     wall = time.perf_counter() - started
     wanted = {row["id"] for row in prompts} - before
