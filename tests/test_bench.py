@@ -209,3 +209,22 @@ def test_a_method_can_run_other_heads_beside_its_own(tmp_path):
                        ("selfspec-warp@x", "unknown method")):
         with pytest.raises(ValueError, match=match):
             parse_methods(bad)
+
+
+def test_methods_all_leaves_out_the_draft_model_methods_when_there_is_no_draft(capsys):
+    # The default ("all") runs what can run, and says what it left out; naming such a method without
+    # a draft model is still an error.
+    import argparse
+
+    from selfspec.bench import add_bench_args
+    from selfspec.bench.__init__ import check_bench_args
+    from selfspec.bench.harness import ALL_METHODS, DRAFT_METHODS
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    names = check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl"]))
+    assert names == [n for n in ALL_METHODS if n not in DRAFT_METHODS]
+    assert "need --draft-model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="need --draft-model"):
+        check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl",
+                                            "--methods", "hf-generate,hf-assisted"]))

@@ -69,6 +69,11 @@ def check_bench_args(args) -> list[str]:
     if args.out:
         check_output_dir(args.out, force=args.force)
     names = parse_methods(args.methods)
+    if args.methods == "all" and not args.draft_model and shipped_draft(args.model) is None:
+        # "all" means what can run: the methods that need a second model are left out, and said so.
+        left_out = [n for n in names if n in DRAFT_METHODS]
+        names = [n for n in names if n not in DRAFT_METHODS]
+        print(f"selfspec bench: {', '.join(left_out)} left out: they need --draft-model PATH", file=sys.stderr)
     _check_selfspec_flags(args, names)
     check_corpus_arg(args.corpus)
     return names
