@@ -159,9 +159,20 @@ if [ "$QUICK" = 1 ]; then
     CNAMES=(bf16-compiled)
 fi
 for i in "${!CNAMES[@]}"; do
+    # TORCH_LOGS=cudagraphs: torch says when a compiled pass runs without CUDA graphs, and why; the
+    # reasons are kept beside the report (none: every pass ran as a graph)
+    log="$OUT/${CNAMES[$i]}.torch.log"
     # shellcheck disable=SC2086
-    "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl ${CSIZES[$i]} --compile \
-        --methods "$COMPILED" --device "$DEVICE" --dtype bfloat16 --out "$OUT/${CNAMES[$i]}" --force
+    if ! TORCH_LOGS=cudagraphs "$PY" -m selfspec bench --model smollm2-135m --prompts training/prompts/dev.jsonl \
+            ${CSIZES[$i]} --compile --methods "$COMPILED" --device "$DEVICE" --dtype bfloat16 --out "$OUT/${CNAMES[$i]}" \
+            --force 2>"$log"; then
+        cat "$log" >&2
+        exit 1
+    fi
+    grep -v "bench:" "$log" | tail -n 20 >&2 || true
+    { grep -o "skipping cudagraphs due to.*" "$log" | sort | uniq -c || true; } > "$OUT/${CNAMES[$i]}/cudagraph-skips.txt"
+    echo "cudagraph skips ($(grep -c . "$OUT/${CNAMES[$i]}/cudagraph-skips.txt" || true) kinds): $OUT/${CNAMES[$i]}/cudagraph-skips.txt"
+    rm -f "$log"
 done
 fi
 echo "== done: $OUT ($(cd "$OUT" && ls -d -- * | tr '\n' ' '| sed 's/ $//'))"

@@ -261,7 +261,7 @@ class VerifyCost:
         bb, dev, step = self.backbone, self.backbone.device, self.step
         shapes = [b for b in BUCKETS if b < self._shape(width)] + [self._shape(width)]
         gen = torch.Generator().manual_seed(0)
-        cache = KVCache(rows, capacity=step.reserve(self.context + 1))
+        cache = step.new_cache(rows, self.context + 1)
         prefill_rows(bb, cache, [torch.randint(1, bb.vocab_size, (self.context,), generator=gen).to(dev)
                                  for _ in range(rows)])
         pasts, every = [self.context] * rows, list(range(rows))

@@ -29,18 +29,27 @@ error); without it the buffers grow by doubling, which is what one-off callers w
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
 class KVCache:
-    def __init__(self, batch: int = 1, *, capacity: int | None = None):
+    def __init__(self, batch: int = 1, *, capacity: int | None = None,
+                 storage: "tuple[list, list] | None" = None, static_address: bool = False):
+        """storage: (keys, values) lists of a ``StaticStorage`` (a static cache only): buffers already there
+        are reused as they are (their old contents are stale slots), missing ones are allocated into them.
+        static_address: mark each buffer allocated a static address for torch.compile (``StaticStorage``)."""
         if batch < 1:
             raise ValueError(f"a cache needs at least one row (got batch={batch})")
+        if storage is not None and capacity is None:
+            raise ValueError("reused storage needs a static cache: give its capacity")
         self.batch = batch
         self.static = capacity is not None
         self.capacity = int(capacity) if capacity is not None else 64
-        self.keys: list[torch.Tensor | None] = []
-        self.values: list[torch.Tensor | None] = []
+        self.keys: list[torch.Tensor | None] = [] if storage is None else storage[0]
+        self.values: list[torch.Tensor | None] = [] if storage is None else storage[1]
+        self.static_address = static_address
         self.lengths: list[list[int]] = []          # [layer][row], on the host: no device sync to read
         self._index: dict = {}                       # (row lengths, n) -> write index, reused across layers
 
@@ -132,11 +141,19 @@ class KVCache:
                     layer[b] = start + int(path.shape[0])
 
     # ------------------------------------------------------------------ storage
+    def allocate(self, layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device) -> None:
+        """Allocate (or keep) the buffers of layers 0 .. layers - 1 now, for a static cache whose first
+        writes come from a compiled pass rather than through ``update``."""
+        probe = torch.empty(self.batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        for layer in range(layers):
+            self._ensure(layer, probe, 0)
+
     def _ensure(self, layer_idx: int, key: torch.Tensor, need: int) -> None:
+        while len(self.lengths) <= layer_idx:
+            self.lengths.append([0] * self.batch)
         while len(self.keys) <= layer_idx:
             self.keys.append(None)
             self.values.append(None)
-            self.lengths.append([0] * self.batch)
         if self.keys[layer_idx] is None:
             if need > self.capacity and not self.static:
                 self.capacity = max(need, 2 * self.capacity)
@@ -144,6 +161,11 @@ class KVCache:
             shape = (self.batch, heads, self.capacity, dim)
             self.keys[layer_idx] = key.new_zeros(shape)
             self.values[layer_idx] = key.new_zeros(shape)
+            if self.static_address:
+                import torch._dynamo   # only compiled decoding gets here: no cost to import selfspec
+
+                torch._dynamo.mark_static_address(self.keys[layer_idx])
+                torch._dynamo.mark_static_address(self.values[layer_idx])
         if need > self.keys[layer_idx].shape[2]:
             if self.static:
                 raise ValueError(f"the static KV cache holds {self.capacity} positions; this step needs {need}: "
@@ -250,6 +272,41 @@ class RowsView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         lens = self.cache.lengths
         return max(lens[layer_idx][b] for b in self.indices) if layer_idx < len(lens) else 0
+
+
+class StaticStorage:
+    """The buffers of static caches, kept and handed to every later cache of the same (rows, capacity).
+
+    A compiled static pass writes the cache in place. On CUDA, ``torch.compile``'s CUDA graphs take a
+    pass that mutates its inputs only when those inputs sit at static addresses: buffers allocated
+    afresh for every generate call would make it run without graphs (it says "skipping cudagraphs due
+    to mutated inputs"). So the static step and the eagle head keep their buffers here, marked as static
+    addresses (``torch._dynamo.mark_static_address``, unguarded: a new address re-records a graph, it
+    never recompiles), and each decode reuses them: prefill overwrites what it reads, and whatever
+    lies beyond a row's length is stale and masked, as in any static cache.
+
+    One cache uses a set of buffers at a time: while the cache last handed out for a shape is alive
+    (another decode still running, or a timing run inside one), a request gets fresh buffers."""
+
+    def __init__(self, *, static_address: bool = True):
+        self.static_address = static_address
+        self._buffers: dict[tuple[int, int], tuple[list, list]] = {}
+        self._user: dict[tuple[int, int], "weakref.ref[KVCache]"] = {}
+
+    def cache(self, batch: int, capacity: int) -> KVCache:
+        """A static cache of ``batch`` rows and ``capacity`` positions on the kept buffers of that shape."""
+        shape = (batch, capacity)
+        user = self._user.get(shape)
+        if user is not None and user() is not None:       # in use: this cache gets buffers of its own
+            return KVCache(batch, capacity=capacity, static_address=self.static_address)
+        if shape not in self._buffers:   # capacities only grow (``StaticStep.reserve``): smaller ones are done with
+            for old in [s for s in self._buffers if s[0] == batch and s[1] < capacity]:
+                del self._buffers[old]
+                self._user.pop(old, None)
+        buffers = self._buffers.setdefault(shape, ([], []))
+        cache = KVCache(batch, capacity=capacity, storage=buffers, static_address=self.static_address)
+        self._user[shape] = weakref.ref(cache)
+        return cache
 
 
 class SlotWriter:

@@ -310,7 +310,7 @@ def decode_rows(
         verify = lambda live, pasts, drafts: verify_rows(backbone, cache, pasts, drafts,  # noqa: E731
                                                          capture=drafter.capture_layers)
     else:
-        cache = kv.new_cache(B, capacity=step.reserve(max(int(p.shape[0]) for p in prompts) + max_new_tokens))
+        cache = step.new_cache(B, max(int(p.shape[0]) for p in prompts) + max_new_tokens)
         verify = lambda live, pasts, drafts: step.verify(backbone, cache, pasts, drafts, rows=live,  # noqa: E731
                                                          capture=drafter.capture_layers)
     drafter.use_step(step)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .backbone import Backbone
-from .cache import KVCache, SlotWriter
+from .cache import KVCache, SlotWriter, StaticStorage
 from .decode import _layers, prefill_rows, row_outputs
 from .drafters.base import Draft, TargetOut
 from .static import BUCKETS, StaticFunction, bucket
@@ -53,6 +53,12 @@ class StaticStep:
         self.mode = mode
         self.capacity = 0
         self._forward = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode)
+        self.storage = StaticStorage(static_address=compile)   # the cache buffers every decode reuses
+
+    def new_cache(self, batch: int, positions: int) -> KVCache:
+        """A static cache of ``batch`` rows with room for ``positions`` tokens (``reserve``), on the buffers
+        the step keeps for that shape (``cache.StaticStorage``: a compiled pass meets the same addresses)."""
+        return self.storage.cache(batch, self.reserve(positions))
 
     def function(self, fn) -> StaticFunction:
         """Another static pass (a drafter's), built as this step builds its own."""
@@ -68,7 +74,7 @@ class StaticStep:
     def warm_up(self, *, batch: int = 1, max_nodes: int = BUCKETS[1], capture: tuple[int, ...] = ()) -> None:
         """Compile (run once) every bucket up to ``max_nodes`` at ``batch`` rows and the reserved
         capacity, so that timed runs afterwards never compile."""
-        cache = KVCache(batch, capacity=self.reserve(1))
+        cache = self.new_cache(batch, 1)
         prefill_rows(self.backbone, cache, [torch.zeros(1, dtype=torch.long, device=self.backbone.device)] * batch)
         for n in BUCKETS[: BUCKETS.index(bucket(max_nodes)) + 1]:
             tree = build_tree(tuple((0,) * k for k in range(1, n)), self.backbone.device)

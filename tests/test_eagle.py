@@ -207,6 +207,34 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "decoding compiled a new shape"
         assert new == expected and len({len(x) for x in new}) > 1
         logs.append(LoggedEagle.log)
+        if step is not None:
+            # A second decode runs on the very buffers the first (and the warm-up) used, target's and head's
+            # (CUDA graphs need their addresses fixed), marked static when compiled; stale slots change nothing.
+            buffers = [b for st in (step.storage, drafter._head_storage) for b in st._buffers.values()]
+            ptrs = [t.data_ptr() for keys, values in buffers for t in keys + values]
+            kept = []   # for every cache handed out: is it on the kept buffers?
+
+            def spy(storage):
+                hand = storage.cache
+
+                def cache(batch, capacity):
+                    c = hand(batch, capacity)
+                    kept.append(any(c.keys is keys for keys, _ in storage._buffers.values()))
+                    return c
+                storage.cache = cache
+            spy(step.storage)
+            spy(drafter._head_storage)
+            LoggedEagle.log = []
+            again, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=24, eos_token_ids={eos},
+                                   generator=None, step=step)
+            trees = lambda log: [[(paths, tokens) for paths, tokens, _ in st] for st in log]  # noqa: E731
+            assert again == expected and trees(LoggedEagle.log) == trees(logs[-1])
+            assert [b for st in (step.storage, drafter._head_storage) for b in st._buffers.values()] == buffers
+            assert [t.data_ptr() for keys, values in buffers for t in keys + values] == ptrs and len(ptrs) > 2
+            assert all(getattr(t, "_dynamo_static_input_type", None) == ("unguarded" if compile else None)
+                       for keys, values in buffers for t in keys + values)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+            assert len(kept) >= 2 and all(kept)
     eager, static = logs
     assert len(eager) == len(static) > 5
     sizes = set()

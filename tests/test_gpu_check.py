@@ -35,6 +35,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                                                                                 "selfspec-medusa"}
     compiled = json.loads((out / "bf16-compiled" / "results.json").read_text())
     assert compiled["config"]["compile"] is True and set(compiled["methods"]) == {"hf-generate", "selfspec-ar"}
+    assert (out / "bf16-compiled" / "cudagraph-skips.txt").is_file()   # why a pass ran without CUDA graphs, if one did
     assert not (out / "draft-4l").exists()
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "tpu"], cwd=ROOT,
                        capture_output=True, text=True)

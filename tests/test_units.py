@@ -95,6 +95,35 @@ def test_cache_keep_with_layers_at_different_lengths():
     assert _slots(c, 1) == [100, 101, 103]
 
 
+def test_static_storage_hands_its_buffers_to_one_cache_at_a_time():
+    """Static caches of one shape reuse the kept buffers (a compiled pass meets the same addresses), each
+    starting empty; a request while the last cache is alive gets buffers of its own; a larger capacity
+    replaces a smaller one; compiled decoding marks the buffers static addresses."""
+    storage = kv.StaticStorage(static_address=True)
+    k = torch.ones(2, 2, 3, 4)
+    first = storage.cache(2, 16)
+    first.update(k, -k, 0)
+    ptr = first.keys[0].data_ptr()
+    assert getattr(first.keys[0], "_dynamo_static_input_type", None) == "unguarded"
+    busy = storage.cache(2, 16)                     # the first is still in use
+    busy.update(k, -k, 0)
+    assert busy.keys[0].data_ptr() != ptr
+    del first, busy
+    again = storage.cache(2, 16)
+    assert again.keys[0].data_ptr() == ptr and again.lengths == [] and again.get_seq_length() == 0
+    keys, _ = again.update(2 * k, -k, 0)            # its own lengths: writes from slot 0, reads only its slots
+    assert keys.shape[2] == 3 and bool((keys == 2).all()) and again.keys[0].data_ptr() == ptr
+    del again
+    bigger = storage.cache(2, 32)
+    bigger.allocate(2, 2, 4, dtype=torch.float32, device="cpu")
+    assert [tuple(x.shape) for x in bigger.keys] == [(2, 2, 32, 4)] * 2 and list(storage._buffers) == [(2, 32)]
+    plain = kv.StaticStorage(static_address=False).cache(1, 8)
+    plain.update(k[:1], -k[:1], 0)
+    assert not hasattr(plain.keys[0], "_dynamo_static_input_type")
+    with pytest.raises(ValueError, match="capacity"):
+        kv.KVCache(1, storage=([], []))
+
+
 def test_cache_rows_keep_their_own_lengths_and_paths():
     """Rows of one batch: ragged writes after each row's own tokens, per-row paths, rows leaving."""
     c = _cache(batch=3, length=6)

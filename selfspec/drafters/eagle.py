@@ -165,7 +165,10 @@ class EagleDrafter(Drafter):
         """The rows' head caches are the rows of one batched cache, so that a draft level runs all rows in one
         call; a static one (``use_step``) holds the target's static capacity plus one step's head slots."""
         first = drafters[0]
-        shared = kv.new_cache(len(drafters), capacity=None if first.static_step is None else first._head_capacity())
+        for d in drafters:
+            d.cache = None    # the last decode's head cache is done with: its kept buffers are free again
+        shared = kv.new_cache(len(drafters)) if first.static_step is None else \
+            first._head_storage.cache(len(drafters), first._head_capacity())
         for b, (d, s, out) in enumerate(zip(drafters, states, prefills)):
             d.cache, d.row = shared, b
             d._start(s, out)
@@ -331,6 +334,7 @@ class EagleDrafter(Drafter):
             self.static_step = self._static = None
         elif step is not self.static_step:
             self.static_step, self._static = step, step.function(self._static_pass)
+            self._head_storage = kv.StaticStorage(static_address=step.compiled)   # as the step keeps its cache's
 
     def _head_capacity(self) -> int:
         """Slots per row of the static head cache: the verify step's capacity plus one step's draft levels
@@ -349,9 +353,10 @@ class EagleDrafter(Drafter):
         if self._static is None:
             return
         attn, dev, k = self.head.midlayer.self_attn, self.backbone.device, self.expand
-        C = self._head_capacity()
-        keys = [torch.zeros(batch, attn.num_kv_heads, C, attn.head_dim, dtype=self.dtype, device=dev)]
-        values = [torch.zeros_like(keys[0])]
+        self.cache = None     # compiled on the buffers decoding will use (``begin_rows`` takes the same)
+        cache = self._head_storage.cache(batch, self._head_capacity())
+        cache.allocate(1, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=dev)
+        keys, values = cache.keys, cache.values
         H, A = self.head.fc.weight.shape[0], self.head.fc.weight.shape[1]
         idx = lambda n: torch.arange(n, device=dev)[None].repeat(batch, 1)   # noqa: E731
         self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
