@@ -440,6 +440,15 @@ class _CyclingWidths:
         pass
 
 
+class _OneNode(_CyclingWidths):
+    """Every step cut to the root and one node: where a cut that prefers a later-drawn sibling biases most."""
+
+    def width(self, chances, widest, rows=None):
+        self.steps += 1
+        self.cut += sum(int(c.numel() >= 2) for c in chances)
+        return 2
+
+
 def _batched_counts(bb, drafter, prompts, params, batches, cost=None):
     """Rows alternate between the prompts (different lengths); counts of each prompt's first L tokens."""
     g = torch.Generator().manual_seed(3)
@@ -465,18 +474,43 @@ def _sampling_setup():
     return model, bb, params, prompts, drafter
 
 
-@pytest.mark.parametrize("fitted", [False, True], ids=["whole", "fitted"])
+@pytest.mark.parametrize("fitted", ["whole", "fitted", "one-node"])
 def test_sampling_in_a_batch_is_lossless(fitted, one_thread):
     """Sampled rows of a batch (EAGLE's beams plus copied chains) keep the target's distribution; fitted:
-    with every step's trees cut to a width that cycles through every size (width fitting's cuts)."""
+    with every step's trees cut to a width that cycles through every size (width fitting's cuts);
+    one-node: every tree cut to its root and one node."""
     model, bb, params, prompts, drafter = _sampling_setup()
-    cost = _CyclingWidths() if fitted else None
+    cost = {"whole": None, "fitted": _CyclingWidths(), "one-node": _OneNode()}[fitted]
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8, cost=cost)
     for prompt, c in zip(prompts, counts):
         stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
         assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
-    if fitted:
+    if cost is not None:
         assert cost.cut > N // 4, "not vacuous: many rows' trees were cut"
+
+
+def test_sampling_check_catches_a_cut_that_reads_the_drawn_tokens(one_thread, monkeypatch):
+    """Planted bug: width fitting scores a sampled node by the draft probability of the token drawn there
+    (so a cut may keep a later-drawn sibling and drop the first), which recursive rejection sampling does
+    not allow. Cut to one node a step, the same check must fail."""
+    from selfspec import budget
+
+    real = budget.path_p
+
+    def by_drawn_token(draft):
+        if draft.q is None:
+            return real(draft)
+        own = draft.q[draft.q_rows(), draft.tokens].float().cpu()
+        chance = torch.ones(draft.tree.size)
+        for i, parent in enumerate(draft.tree.parents.tolist()[1:], start=1):
+            chance[i] = chance[parent] * own[i]
+        return chance
+
+    monkeypatch.setattr(budget, "path_p", by_drawn_token)
+    model, bb, params, prompts, drafter = _sampling_setup()
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // 8, cost=_OneNode())
+    stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
+    assert any(stat > threshold for stat, threshold in stats)
 
 
 def test_batch_sampling_check_catches_rows_judged_by_each_others_logits(one_thread, monkeypatch):
