@@ -31,6 +31,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--methods", default="all",
                    help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())}); "
+                        "all (the default) leaves out those that need --draft-model when none is given; "
                         "a method with heads takes other heads as METHOD@DIR (e.g. selfspec-medusa@out/heads "
                         "beside selfspec-medusa: two trainings in one run)")
     p.add_argument("--temperature", type=float, default=0.0,
