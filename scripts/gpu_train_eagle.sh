@@ -17,9 +17,11 @@
 #   --init DIR           heads to warm-start from (default: none, from scratch; a warm start needs the data the
 #                        init was trained on, to keep its held-out split held out)
 #   --gen-static         answer with `gen-data --static-cache` (one shape for every batch, compiled once by
-#                        transformers: CUDA graphs); if that call fails, the run goes on without it
+#                        transformers: CUDA graphs; prompts in file order), by default in one call for the
+#                        whole file (one compilation); if that call fails, the run goes on without it
 # Env: MODEL (smollm2-135m), CHUNK (prompts per gen-data call, 6144: each call answers its chunk longest
-# first, so chunks keep a stopped run's answers a fair sample), STEPS_MIN (20), TRAIN_ARGS (more train-heads flags).
+# first, so chunks keep a stopped run's answers a fair sample; with --gen-static, the whole file), STEPS_MIN (20),
+# TRAIN_ARGS (more train-heads flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
         --gen-batch) GEN_BATCH="$2"; shift 2 ;;
         --gen-static) STATIC=(--static-cache); shift ;;
         --device) DEVICE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "gpu_train_eagle: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -47,7 +49,8 @@ for n in "$GEN_S" "$TRAIN_S" "$BATCH" "$GEN_BATCH"; do
     [[ "$n" =~ ^[0-9]+$ ]] || { echo "gpu_train_eagle: seconds and batch sizes are whole numbers (got $n)" >&2; exit 2; }
 done
 MODEL=${MODEL:-smollm2-135m}
-CHUNK=${CHUNK:-6144}
+total=$(grep -c . "$PROMPTS")
+if [ "${#STATIC[@]}" -gt 0 ]; then CHUNK=${CHUNK:-$total}; else CHUNK=${CHUNK:-6144}; fi
 STEPS_MIN=${STEPS_MIN:-20}
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -57,7 +60,6 @@ mkdir -p "$OUT"
 now() { date +%s; }
 
 echo "== answers: $PROMPTS -> $OUT/data for ${GEN_S} s ($(date -u +%H:%M:%S))"
-total=$(grep -c . "$PROMPTS")
 deadline=$(( $(now) + GEN_S ))
 for ((n = CHUNK; ; n += CHUNK)); do
     left=$(( deadline - $(now) ))
@@ -70,7 +72,7 @@ for ((n = CHUNK; ; n += CHUNK)); do
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "${#STATIC[@]}" -gt 0 ]; then
         echo "== gen-data --static-cache failed (exit $rc): answering the rest without it"
         STATIC=()
-        n=$(( n - CHUNK ))   # this chunk again
+        CHUNK=6144; n=0      # on as without it, from the first prompt not yet answered
         continue
     fi
     [ "$n" -ge "$total" ] && break

@@ -167,6 +167,8 @@ def test_static_cache_answers_as_the_dynamic_cache_does(tmp_path):
     as_dict = lambda ds: {r["id"]: (r["input_ids"], r["response_start"], r["n_response"]) for r in ds}  # noqa: E731
     assert len(static) == len(rows)
     assert as_dict(static) == as_dict(dynamic)
+    # One width for all: the prompts keep their order (a stopped run has a fair sample), not longest first.
+    assert list(static["id"]) == [r["id"] for r in rows] != list(dynamic["id"])
 
 
 def test_response_stops_after_first_eos_which_is_kept(tmp_path):

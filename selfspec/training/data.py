@@ -289,8 +289,9 @@ def generate_distillation_data(
     ``COMPARED_SETTINGS``) or another run is writing to it. The returned rows are in shard order.
 
     ``static_cache=True`` gives every ``generate`` call one shape: prompts left-padded to
-    ``max_prompt_tokens``, a short last batch filled up to ``batch_size`` with copies of its first
-    prompt (their answers are dropped), and transformers' preallocated ("static") KV cache. On a GPU,
+    ``max_prompt_tokens`` (and taken in their given order, not longest first), a short last batch
+    filled up to ``batch_size`` with copies of its first prompt (their answers are dropped), and
+    transformers' preallocated ("static") KV cache. On a GPU,
     transformers then compiles the decoding step (CUDA graphs) once for the whole run, instead of
     paying Python and kernel launches for every layer of every token, which is what bounds eager
     generation of a small model at any batch size. Greedy answers are the same either way (up to
@@ -334,10 +335,12 @@ def generate_distillation_data(
         n_truncated = sum(len(t) > max_prompt_tokens for t in token_ids)
         if n_truncated:
             log.warning("%d prompts longer than %d tokens keep only their last %d", n_truncated, max_prompt_tokens, max_prompt_tokens)
-        # Longest first; ties keep source order, so the batches are a pure function of the pending set.
-        work = sorted(
-            ((row["id"], t[-max_prompt_tokens:]) for row, t in zip(pending, token_ids)), key=lambda item: -len(item[1])
-        )
+        # Longest first (less padding); ties keep source order, so the batches are a pure function of the
+        # pending set. A static cache pads every batch to one width anyway: there the source order stays,
+        # so a run stopped early has answered a fair sample of the prompts, not the longest ones.
+        work = [(row["id"], t[-max_prompt_tokens:]) for row, t in zip(pending, token_ids)]
+        if not static_cache:
+            work.sort(key=lambda item: -len(item[1]))
         refs = {row["id"]: row["reference"] for row in pending} if references else {}
         first_shard = 1 + max((int(p.name[len(SHARD_PREFIX):]) for p in shards), default=-1)
         per_shard = batch_size * shard_size
