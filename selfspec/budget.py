@@ -51,6 +51,7 @@ from . import timings
 from .backbone import Backbone, config_fingerprint
 from .cache import KVCache
 from .drafters.base import Draft, prior_path_p
+from .projection import packing_works
 from .static import BUCKETS, bucket
 from .tree import subtree, tree_from_parents
 
@@ -222,7 +223,7 @@ class VerifyCost:
         if dev.type == "cpu":   # kept for later processes on this machine (timings.py)
             key = (f"verify|{config_fingerprint(bb.model.config)}|{str(bb.dtype).removeprefix('torch.')}"
                    f"|threads={torch.get_num_threads()}|context={self.context}|sweeps={self.sweeps}|rows={rows}"
-                   f"|widths={','.join(map(str, widths))}")
+                   f"|widths={','.join(map(str, widths))}|packed={int(packing_works(bb.dtype))}")
             kept = timings.get(key)
             if isinstance(kept, list) and sorted(int(w) for w, _ in kept) == widths:
                 return {int(w): float(t) for w, t in kept}

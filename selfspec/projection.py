@@ -34,6 +34,10 @@ and leaves the others to the module's own call with no hook at all. On that box 
 then runs at transformers' speed (hooking all of them made it ~10% slower) while steps of a few
 rows keep their ~20% gain.
 
+The packed layout (``PackedWeights``) is oneDNN's own reordering of a weight; it is the one layout
+that costs memory, a second copy of every weight it runs, and ``$SELFSPEC_CPU_PACKED=0`` leaves it
+out of the timing.
+
 The layouts sum in different orders, so values agree to float rounding, not bit for bit: the
 same class of difference as any batched forward, and greedy exactness is measured against
 transformers like everything else. On CUDA it is always ``F.linear``.
@@ -41,8 +45,11 @@ transformers like everything else. On CUDA it is always ``F.linear``.
 
 from __future__ import annotations
 
+import functools
+import os
 import statistics
 import time
+import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Callable
@@ -94,17 +101,76 @@ def _weight_major_pairs(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w @ x[i:i + 2].T for i in range(0, x.shape[0], 2)], dim=1)[:, :rows].T.contiguous()
 
 
+class PackedWeights:
+    """oneDNN's own layout of a weight (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU
+    freezing computes products with): a copy per weight, made on first use, kept while the weight
+    lives and unchanged (its version counter and storage are checked on every use, so a weight that
+    training updates in place is packed again). On the 2-core dev box a 1,536 x 576 product costs
+    ~100 us for 1 to 8 rows and ~140 us for 16 packed, against 185-320 us through ``F.linear`` or
+    weight-major: streaming the weight once is all it costs, so a tree of 16 nodes is verified for
+    little more than one token. The price is memory: every packed weight is held twice."""
+
+    ROWS_HINT = 8     # the row count the layout is prepared for; 4 to 64 time alike on the dev box
+
+    def __init__(self):
+        self._kept: dict[int, tuple] = {}    # id(weight) -> (weakref, version, data_ptr, packed)
+        self.bytes = 0
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        kept = self._kept.get(id(w))
+        if kept is not None and kept[0]() is w and kept[1:3] == (w._version, w.data_ptr()):
+            return kept[3]
+        self._drop(id(w))
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.ROWS_HINT)
+        key = id(w)
+        self._kept[key] = (weakref.ref(w, lambda _r, key=key: self._drop(key)), w._version, w.data_ptr(), packed)
+        self.bytes += w.numel() * w.element_size()
+        return packed
+
+    def _drop(self, key: int) -> None:
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            self.bytes -= kept[3].numel() * kept[3].element_size()
+
+
+PACKED = PackedWeights()
+PACKED_ENV = "SELFSPEC_CPU_PACKED"      # "0": never time or use the packed layout (it holds weights twice)
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), PACKED(w), None, "none", [], "")
+
+
+@functools.cache
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build computes packed products for ``dtype`` here, and they match
+    ``F.linear`` (checked once per process on a small product); False when ``$SELFSPEC_CPU_PACKED``
+    is 0."""
+    if os.environ.get(PACKED_ENV, "1").strip() == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(64, 32, generator=g).to(dtype), torch.randn(3, 32, generator=g).to(dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 8), None, "none", [], "")
+        return out.shape == (3, 64) and torch.allclose(out.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
 LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "linear": _linear,
     "weight-major": _weight_major,
     "weight-major-pad2": _weight_major_pad2,
     "weight-major-pairs": _weight_major_pairs,
+    "packed": _packed,
 }
 
 
-def candidate_layouts(rows: int) -> list[str]:
-    """The layouts worth timing for this many rows (padding one row, pairing three to eight)."""
-    return [n for n in LAYOUTS if (n != "weight-major-pad2" or rows == 1) and (n != "weight-major-pairs" or 3 <= rows <= 8)]
+def candidate_layouts(rows: int, dtype: torch.dtype = torch.float32) -> list[str]:
+    """The layouts worth timing for this many rows (padding one row, pairing three to eight; packed
+    where this torch packs ``dtype``)."""
+    return [n for n in LAYOUTS if (n != "weight-major-pad2" or rows == 1) and (n != "weight-major-pairs" or 3 <= rows <= 8)
+            and (n != "packed" or packing_works(dtype))]
 
 
 def row_bucket(rows: int) -> int | None:
@@ -136,7 +202,7 @@ def layout_for(weights: Sequence[torch.Tensor], x: torch.Tensor) -> str:
 def tune_layout(key: Key, weights: Sequence[torch.Tensor], x: torch.Tensor) -> str:
     """Time every candidate layout for ``x`` over ``weights`` (at most TIMING_BYTES of them, at least
     one), interleaved so machine drift hits all alike; record and return the fastest."""
-    names = candidate_layouts(x.shape[0])
+    names = candidate_layouts(x.shape[0], key[1])
     kept = timings.get(_kept_key(key))
     if isinstance(kept, dict) and set(names) <= set(kept):   # timed by an earlier process on this machine
         TABLE[key] = {name: float(kept[name]) for name in names}

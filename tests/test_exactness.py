@@ -12,6 +12,7 @@ from selfspec.decode import decode
 from selfspec.drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from selfspec.drafters.base import DecodeState, Draft, Drafter
 from selfspec.model import untrained_heads
+from selfspec.projection import packing_works
 from selfspec.sampling import SamplingParams
 from selfspec.settings import MEDUSA_DEFAULT
 from selfspec.tree import build_tree, chain, chain_with_siblings
@@ -281,10 +282,11 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, thresh
     torch.testing.assert_close(drafter.adapter_cache.layer(0)[1][:, :, :n], fresh.layer(0)[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["linear", "weight-major", "weight-major-pairs"])
+@pytest.mark.parametrize("layout", ["linear", "weight-major", "weight-major-pairs"]
+                         + (["packed"] if packing_works(torch.float32) else []))
 def test_every_product_layout_keeps_the_drafters_exact(monkeypatch, layout):
     """The LM head, the drafters' projections and the layers' few-row products pick a layout by timing
-    (projection.py); force each one (one row: padded) on a tiny model, every layer rerouted."""
+    (projection.py); force each one (one row: padded, except packed) on a tiny model, every layer rerouted."""
     from selfspec import projection
     from selfspec.projection import FewRowLinears
 
@@ -292,7 +294,7 @@ def test_every_product_layout_keeps_the_drafters_exact(monkeypatch, layout):
 
     def pick(key, weights, flat):
         rows = flat.shape[0]
-        name = "weight-major-pad2" if layout != "linear" and rows == 1 else layout
+        name = "weight-major-pad2" if layout not in ("linear", "packed") and rows == 1 else layout
         name = name if name in projection.candidate_layouts(rows) else "weight-major"
         projection.CHOICE[key] = name
         forced.append(key[0])
@@ -324,8 +326,8 @@ def test_every_product_layout_keeps_the_drafters_exact(monkeypatch, layout):
             assert tuple(drafter.project.weight.shape) in forced, f"{drafter.name}'s draft head never went through it"
     assert tuple(bb.head.weight.shape) in forced
     used = set(projection.CHOICE.values())
-    assert used == ({"linear"} if layout == "linear" else {layout, "weight-major-pad2"} | ({"weight-major"} if layout ==
-                    "weight-major-pairs" else set()))
+    assert used == ({layout} if layout in ("linear", "packed") else {layout, "weight-major-pad2"} | ({"weight-major"} if
+                    layout == "weight-major-pairs" else set()))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

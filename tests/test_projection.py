@@ -26,9 +26,10 @@ def test_every_layout_computes_the_same_product(name, rows):
 
 
 def test_candidates_and_row_buckets():
-    assert candidate_layouts(1) == ["linear", "weight-major", "weight-major-pad2"]
-    assert candidate_layouts(3) == candidate_layouts(8) == ["linear", "weight-major", "weight-major-pairs"]
-    assert candidate_layouts(9) == ["linear", "weight-major"]
+    packed = ["packed"] if projection.packing_works(torch.float32) else []
+    assert candidate_layouts(1) == ["linear", "weight-major", "weight-major-pad2", *packed]
+    assert candidate_layouts(3) == candidate_layouts(8) == ["linear", "weight-major", "weight-major-pairs", *packed]
+    assert candidate_layouts(9) == ["linear", "weight-major", *packed]
     assert [row_bucket(r) for r in (1, MAX_TUNED_ROWS, MAX_TUNED_ROWS + 1, ROW_BUCKETS[-1])] == \
         [1, MAX_TUNED_ROWS, ROW_BUCKETS[0], ROW_BUCKETS[-1]]
     assert row_bucket(ROW_BUCKETS[-1] + 1) is None
@@ -50,8 +51,8 @@ def test_tuned_projection_matches_linear_and_times_each_row_bucket_once_per_shap
     # One timing per row bucket, every candidate layout measured: 20 rows stand for 17..24.
     assert sorted(proj.choices()) == [1, 3, 4, 24]
     timings = {k[3]: t for k, t in projection.TABLE.items()}
-    assert set(timings[1]) == {"linear", "weight-major", "weight-major-pad2"}
-    assert set(timings[3]) == set(timings[4]) == {"linear", "weight-major", "weight-major-pairs"}
+    assert set(timings[1]) == set(candidate_layouts(1)) >= {"linear", "weight-major", "weight-major-pad2"}
+    assert set(timings[3]) == set(timings[4]) == set(candidate_layouts(3)) >= {"linear", "weight-major", "weight-major-pairs"}
     assert all(proj.choices()[r] == min(t, key=t.get) for r, t in timings.items())
     # Seen buckets are not timed again, also by another projection of the same shape.
     before = dict(projection.TABLE)
@@ -189,3 +190,32 @@ def test_layers_reroute_only_the_products_whose_layout_saves_more_than_rerouting
     # untimed: the first layer's products were rerouted and timed, the second layer went by that timing.
     assert (tuple(model.layers[0].up.weight.shape), torch.float32, threads, 2) in projection.TABLE
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())   # all gone on exit
+
+
+@pytest.mark.skipif(not projection.packing_works(torch.float32), reason="this torch build has no oneDNN packing")
+def test_packed_weights_follow_their_weight_and_are_released_with_it():
+    """A packed copy is made once per weight, made again after the weight changes in place (as training
+    changes heads between evaluations), and dropped when the weight is freed."""
+    packed = projection.PackedWeights()
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 32, generator=g), torch.randn(5, 32, generator=g)
+    first = packed(w)
+    assert packed(w) is first and packed.bytes == w.numel() * 4
+    with torch.no_grad():
+        w.mul_(2.0)
+    second = packed(w)
+    assert second is not first and packed.bytes == w.numel() * 4
+    out = torch.ops.mkldnn._linear_pointwise(x, second, None, "none", [], "")
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    del w, first, second
+    assert packed.bytes == 0 and not packed._kept
+
+
+def test_the_packed_layout_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(projection.PACKED_ENV, "0")
+    projection.packing_works.cache_clear()
+    try:
+        assert "packed" not in candidate_layouts(4)
+    finally:
+        monkeypatch.delenv(projection.PACKED_ENV)
+        projection.packing_works.cache_clear()
