@@ -71,7 +71,7 @@ EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chai
 # expects most of a token accepted (gate), and an exit chain node, half a step to draft, only when it is likely.
 MEDUSA_GATED = ((4, 0.5), (4, 0.8), (8, 0.5), (8, 0.8))          # (nodes, gate)
 # And with context lookup (drafters/lookup.py): (nodes, gate, most tokens copied per step).
-MEDUSA_LOOKUP = ((4, 0.0, 4), (4, 0.0, 8), (8, 0.0, 4), (8, 0.0, 8), (4, 0.8, 8), (8, 0.5, 8))
+MEDUSA_LOOKUP = ((4, 0.0, 4), (4, 0.0, 8), (8, 0.0, 4), (8, 0.0, 8), (4, 0.8, 8), (8, 0.5, 8), (12, 0.0, 8), (8, 0.0, 12))
 EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
 # eagle: (dynamic tree, threshold, lookup); depth / expand / nodes span a cheap chain-like tree to a wide one.
 # The last rows cut hard by confidence: where a verified node costs a good share of a plain step (on the
@@ -82,7 +82,9 @@ EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-
               ("dynamic-5-3-6", 0.15, 0), ("dynamic-6-4-8", 0.1, 0),
               ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8),
               ("dynamic-4-2-4", 0.2, 8), ("dynamic-5-2-4", 0.3, 8), ("dynamic-5-3-6", 0.25, 8), ("dynamic-6-2-6", 0.4, 8),
-              ("dynamic-6-3-8", 0.3, 0))
+              ("dynamic-6-3-8", 0.3, 0),
+              # wide trees with the lookup: where verifying more nodes costs little (GPUs; CPUs with packed products)
+              ("dynamic-6-4-12", 0.05, 8), ("dynamic-6-4-12", 0.15, 8), ("dynamic-6-3-8", 0.1, 12), ("dynamic-8-4-16", 0.05, 12))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 # A separate draft model: (chain, threshold). Each drafted token costs a draft forward as well as a
 # verified row, so long chains pay only cut where the draft's own path probability falls.
