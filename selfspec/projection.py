@@ -23,7 +23,7 @@ same for the decoder layers while selfspec decodes: a forward pre-hook on each `
 (torch's public module hooks; the model's code is untouched) computes the product in the timed
 layout and hands the module a zero-row input, and a forward hook returns the product as the
 module's output. The hooks exist only inside ``with``; calls with gradients on or with more
-than ``MAX_TUNED_ROWS`` rows run as they would without them.
+than ``MAX_LAYER_ROWS`` rows run as they would without them.
 
 A rerouted product pays for the hooks (a pair costs ~15 us a call on the 2-core box even when it
 does nothing: 3 ms a token over the demo model's 210 layer products) and a layout only pays where
@@ -65,12 +65,13 @@ from . import timings
 MIN_TUNED_ELEMENTS = 1 << 16
 # A Projection (an LM head or a draft-vocabulary slice) smaller than this is left to F.linear.
 MIN_HEAD_ELEMENTS = 1 << 22
-# A decoder layer's products are rerouted up to this many rows; more (a prefill, a big tree or
-# batch) is a proper matrix product, which BLAS handles well.
+# Row counts up to this are timed one by one; more share a timing per ROW_BUCKETS step (rows up to the
+# bucket); above the last bucket a product runs as F.linear. Packed products beat F.linear by ~2x up
+# to 128 rows on the 2-core dev box, so the decoder layers' products are rerouted up to the last
+# bucket too (MAX_LAYER_ROWS): batches of trees, and short prefills.
 MAX_TUNED_ROWS = 16
-# The LM head beyond MAX_TUNED_ROWS rows: one timing per bucket (rows up to the bucket); above the
-# last bucket F.linear.
 ROW_BUCKETS = (24, 32, 48, 64, 96, 128, 192, 256)
+MAX_LAYER_ROWS = ROW_BUCKETS[-1]
 TIMING_REPEATS = 3
 TIMING_BYTES = 64 << 20   # weights a timing streams through: more than a CPU's last-level cache
 
@@ -310,7 +311,7 @@ class FewRowLinears:
     as a batched forward's do. Those inside a decoder layer are rerouted only where that pays
     (module docstring); the others always."""
 
-    def __init__(self, *models: nn.Module | None, min_elements: int = MIN_TUNED_ELEMENTS, max_rows: int = MAX_TUNED_ROWS):
+    def __init__(self, *models: nn.Module | None, min_elements: int = MIN_TUNED_ELEMENTS, max_rows: int = MAX_LAYER_ROWS):
         self.max_rows = max_rows
         self.modules = [m for model in models if model is not None for m in routable(model, min_elements)]
         self.weights: dict[tuple, list[torch.Tensor]] = {}    # (shape, dtype) -> every routed weight of it
@@ -332,7 +333,7 @@ class FewRowLinears:
         (decoding would time each on first use)."""
         routing_cost()
         for group in self.weights.values():
-            for rows in range(1, self.max_rows + 1):
+            for rows in tuning_rows(self.max_rows):
                 project(group[0].new_zeros(rows, group[0].shape[1]).normal_(), group[0], timed_on=group)
 
     def _before(self, module: nn.Linear, args):
@@ -359,7 +360,7 @@ class FewRowLinears:
         """Whether ``m``'s timed layout at ``rows`` rows saves more than rerouting costs; None while
         untimed."""
         w = m.weight
-        key = (tuple(w.shape), w.dtype, torch.get_num_threads(), rows)
+        key = (tuple(w.shape), w.dtype, torch.get_num_threads(), row_bucket(rows))
         if key not in self._pays:
             timed = TABLE.get(key)
             if timed is None or key not in CHOICE:

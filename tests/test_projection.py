@@ -5,7 +5,7 @@ import torch
 from torch.nn import functional as F
 
 from selfspec import projection
-from selfspec.projection import (LAYOUTS, MAX_TUNED_ROWS, ROW_BUCKETS, FewRowLinears, Projection, candidate_layouts,
+from selfspec.projection import (LAYOUTS, MAX_LAYER_ROWS, MAX_TUNED_ROWS, ROW_BUCKETS, FewRowLinears, Projection, candidate_layouts,
                                  few_row_linears, row_bucket, tuning_rows)
 
 
@@ -113,10 +113,10 @@ def test_few_row_linears_reroute_few_row_products_of_big_layers_and_nothing_else
                 assert a.shape == b.shape
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert mode.rerouted == 4
-        wide = torch.randn(MAX_TUNED_ROWS + 1, 64, generator=g)
+        wide = torch.randn(MAX_LAYER_ROWS + 1, 64, generator=g)
         with mode:
             torch.testing.assert_close(model.a(wide), F.linear(wide, model.a.weight, model.a.bias), rtol=1e-4, atol=1e-4)
-    assert mode.rerouted == 4                       # more rows than MAX_TUNED_ROWS: the module's own product
+    assert mode.rerouted == 4                       # more rows than MAX_LAYER_ROWS: the module's own product
     # One timing per (shape, row count), shared by both layers.
     assert sorted(k[3] for k in projection.CHOICE) == [1, 3]
     # With gradients on (training), nothing is rerouted; outside ``with`` no hook is left behind.
@@ -125,7 +125,7 @@ def test_few_row_linears_reroute_few_row_products_of_big_layers_and_nothing_else
     assert out.requires_grad and mode.rerouted == 4
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     mode.tune()
-    assert sorted(k[3] for k in projection.CHOICE) == list(range(1, MAX_TUNED_ROWS + 1))
+    assert sorted(k[3] for k in projection.CHOICE) == tuning_rows(MAX_LAYER_ROWS)
 
 
 def test_few_row_linears_only_for_models_with_big_layers():
