@@ -122,6 +122,9 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
     assert "chat" in markdown(result) and ", greedy" in markdown(result).splitlines()[0]
     sampled = {**result, "config": {**result["config"], "temperature": 0.7, "decoding": decoding_mode(0.7)}}
     assert "sampling (T=0.7, top-p 1, top-k off)" in markdown(sampled).splitlines()[0]
+    assert "packed" not in markdown(result).splitlines()[0]
+    unpacked = {**result, "config": {**result["config"], "packed_products": False}}
+    assert markdown(unpacked).splitlines()[0].endswith(", packed CPU products off")
 
 
 def test_batched_bench_rows_match_and_refusals_are_reported(tmp_path):

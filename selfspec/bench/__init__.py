@@ -14,6 +14,7 @@ from ..io import prompt_ids
 from ..loading import check_model_name, load_model
 from ..backbone import config_fingerprint
 from ..corpus import load_corpus
+from ..projection import packing_works
 from .. import timings
 from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, RETIME_HELP, SETTING_HELP, SETTING_KEYS,
                         check_settings)
@@ -154,6 +155,7 @@ def run_bench_cli(args) -> int:
             "compile": args.compile, "decoding": decoding_mode(args.temperature), "chat_template": chat,
             "methods": names, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),
+            "packed_products": p.device.type == "cpu" and packing_works(p.dtype),
         },
         "methods": results,
     }
