@@ -35,8 +35,8 @@ then runs at transformers' speed (hooking all of them made it ~10% slower) while
 rows keep their ~20% gain.
 
 The packed layout (``PackedWeights``) is oneDNN's own reordering of a weight; it is the one layout
-that costs memory, a second copy of every weight it runs, and ``$SELFSPEC_CPU_PACKED=0`` leaves it
-out of the timing.
+that costs memory, a second copy of every weight it runs: copies stop at a quarter of physical memory
+(``$SELFSPEC_CPU_PACKED=N``: N MB), and ``$SELFSPEC_CPU_PACKED=0`` leaves the layout out of the timing.
 
 The layouts sum in different orders, so values agree to float rounding, not bit for bit: the
 same class of difference as any batched forward, and greedy exactness is measured against
@@ -109,45 +109,83 @@ class PackedWeights:
     training updates in place is packed again). On the 2-core dev box a 1,536 x 576 product costs
     ~100 us for 1 to 8 rows and ~140 us for 16 packed, against 185-320 us through ``F.linear`` or
     weight-major: streaming the weight once is all it costs, so a tree of 16 nodes is verified for
-    little more than one token. The price is memory: every packed weight is held twice."""
+    little more than one token. The price is memory: every packed weight is held twice, so copies are
+    made only up to ``budget`` bytes in all (``packed_budget``); a weight beyond it is not packed and
+    its products run as ``F.linear``."""
 
     ROWS_HINT = 8     # the row count the layout is prepared for; 4 to 64 time alike on the dev box
 
-    def __init__(self):
+    def __init__(self, budget: int | None = None):
         self._kept: dict[int, tuple] = {}    # id(weight) -> (weakref, version, data_ptr, packed)
         self.bytes = 0
+        self.budget = budget                 # None: packed_budget(), read on first use
 
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, w: torch.Tensor) -> torch.Tensor | None:
+        """``w`` packed, or None when packing it would pass the budget."""
         kept = self._kept.get(id(w))
         if kept is not None and kept[0]() is w and kept[1:3] == (w._version, w.data_ptr()):
             return kept[3]
         self._drop(id(w))
+        if self.budget is None:
+            self.budget = packed_budget()
+        size = w.numel() * w.element_size()
+        if self.bytes + size > self.budget:
+            return None
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.ROWS_HINT)
         key = id(w)
-        self._kept[key] = (weakref.ref(w, lambda _r, key=key: self._drop(key)), w._version, w.data_ptr(), packed)
-        self.bytes += w.numel() * w.element_size()
+        self._kept[key] = (weakref.ref(w, lambda _r, key=key: self._drop(key)), w._version, w.data_ptr(), packed, size)
+        self.bytes += size
         return packed
 
     def _drop(self, key: int) -> None:
         kept = self._kept.pop(key, None)
         if kept is not None:
-            self.bytes -= kept[3].numel() * kept[3].element_size()
+            self.bytes -= kept[4]
+
+
+# "0" or "off": never time or use the packed layout; "auto" (or unset): pack up to a quarter of the
+# machine's memory; a number: pack up to that many MB.
+PACKED_ENV = "SELFSPEC_CPU_PACKED"
+PACKED_SHARE_OF_MEMORY = 4     # auto: a 1/4 of physical memory at most goes to packed copies
+
+
+def _packed_setting() -> str:
+    return os.environ.get(PACKED_ENV, "auto").strip().lower() or "auto"
+
+
+def packed_budget() -> int:
+    """Bytes of packed copies allowed (``$SELFSPEC_CPU_PACKED``: a number of MB, or auto)."""
+    setting = _packed_setting()
+    if setting in ("0", "off"):
+        return 0
+    if setting != "auto":
+        try:
+            return int(float(setting) * (1 << 20))
+        except ValueError:
+            raise ValueError(f"{PACKED_ENV}={setting!r}: use auto, off (or 0), or a number of MB") from None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return total // PACKED_SHARE_OF_MEMORY
 
 
 PACKED = PackedWeights()
-PACKED_ENV = "SELFSPEC_CPU_PACKED"      # "0": never time or use the packed layout (it holds weights twice)
 
 
 def _packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), PACKED(w), None, "none", [], "")
+    packed = PACKED(w)
+    if packed is None:                       # over the budget: this weight is not packed
+        return F.linear(x, w)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
 @functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether this torch build computes packed products for ``dtype`` here, and they match
     ``F.linear`` (checked once per process on a small product); False when ``$SELFSPEC_CPU_PACKED``
-    is 0."""
-    if os.environ.get(PACKED_ENV, "1").strip() == "0" or not torch.backends.mkldnn.is_available():
+    is 0 or off."""
+    if packed_budget() == 0 or not torch.backends.mkldnn.is_available():
         return False
     try:
         g = torch.Generator().manual_seed(0)

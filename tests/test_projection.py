@@ -211,6 +211,26 @@ def test_packed_weights_follow_their_weight_and_are_released_with_it():
     assert packed.bytes == 0 and not packed._kept
 
 
+@pytest.mark.skipif(not projection.packing_works(torch.float32), reason="this torch build has no oneDNN packing")
+def test_packed_copies_stop_at_their_memory_budget(monkeypatch):
+    """Past the budget a weight is not packed and its products run as F.linear, still correct."""
+    g = torch.Generator().manual_seed(2)
+    a, b, x = torch.randn(96, 32, generator=g), torch.randn(96, 32, generator=g), torch.randn(3, 32, generator=g)
+    packed = projection.PackedWeights(budget=a.numel() * 4)
+    assert packed(a) is not None and packed(b) is None and packed.bytes == a.numel() * 4
+    monkeypatch.setattr(projection, "PACKED", packed)
+    for w in (a, b):
+        torch.testing.assert_close(LAYOUTS["packed"](x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for setting, budget in (("off", 0), ("0", 0), ("12", 12 << 20), ("0.5", 1 << 19)):
+        monkeypatch.setenv(projection.PACKED_ENV, setting)
+        assert projection.packed_budget() == budget
+    monkeypatch.setenv(projection.PACKED_ENV, "auto")
+    assert projection.packed_budget() > 0
+    monkeypatch.setenv(projection.PACKED_ENV, "lots")
+    with pytest.raises(ValueError, match="SELFSPEC_CPU_PACKED='lots'"):
+        projection.packed_budget()
+
+
 def test_the_packed_layout_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(projection.PACKED_ENV, "0")
     projection.packing_works.cache_clear()
