@@ -114,8 +114,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
     p.add_argument("--compile", action="store_true",
-                   help="verify through a compiled static-shape step (pays off over long or many generations: "
-                        "the first steps compile, a minute or more on CPU)")
+                   help="verify through a compiled static-shape step (for GPUs, over long or many generations: the "
+                        "first steps compile; on a CPU eager decoding with packed products is faster)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--retime", action="store_true", help=RETIME_HELP)
