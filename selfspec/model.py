@@ -222,7 +222,8 @@ class SelfSpeculativeModel:
         target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
         "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
-        pay the compilation (tens of seconds on CPU). fit_width: each step (greedy or sampled) verifies
+        pay the compilation (tens of seconds on CPU); meant for GPUs: on a CPU the eager path, whose few-row
+        products run packed (projection.py), decodes faster. fit_width: each step (greedy or sampled) verifies
         every row's tree cut to the width the pass is worth: the most expected tokens per second, from the
         draft's probabilities and the pass's cost on this machine (timed on first use, about a second on a
         CPU, once per process, then learned from the steps; compiled, each of the step's padded sizes is
