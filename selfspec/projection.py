@@ -116,7 +116,7 @@ class PackedWeights:
     ROWS_HINT = 8     # the row count the layout is prepared for; 4 to 64 time alike on the dev box
 
     def __init__(self, budget: int | None = None):
-        self._kept: dict[int, tuple] = {}    # id(weight) -> (weakref, version, data_ptr, packed)
+        self._kept: dict[int, tuple] = {}    # id(weight) -> (weakref, version, data_ptr, packed, bytes)
         self.bytes = 0
         self.budget = budget                 # None: packed_budget(), read on first use
 
@@ -185,7 +185,7 @@ def packing_works(dtype: torch.dtype) -> bool:
     """Whether this torch build computes packed products for ``dtype`` here, and they match
     ``F.linear`` (checked once per process on a small product); False when ``$SELFSPEC_CPU_PACKED``
     is 0 or off."""
-    if packed_budget() == 0 or not torch.backends.mkldnn.is_available():
+    if packed_budget() <= 0 or not torch.backends.mkldnn.is_available():
         return False
     try:
         g = torch.Generator().manual_seed(0)
