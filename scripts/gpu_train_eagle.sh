@@ -50,7 +50,8 @@ for n in "$GEN_S" "$TRAIN_S" "$BATCH" "$GEN_BATCH"; do
 done
 MODEL=${MODEL:-smollm2-135m}
 total=$(grep -c . "$PROMPTS")
-if [ "${#STATIC[@]}" -gt 0 ]; then CHUNK=${CHUNK:-$total}; else CHUNK=${CHUNK:-6144}; fi
+DYNAMIC_CHUNK=6144
+if [ "${#STATIC[@]}" -gt 0 ]; then CHUNK=${CHUNK:-$total}; else CHUNK=${CHUNK:-$DYNAMIC_CHUNK}; fi
 STEPS_MIN=${STEPS_MIN:-20}
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -72,7 +73,7 @@ for ((n = CHUNK; ; n += CHUNK)); do
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "${#STATIC[@]}" -gt 0 ]; then
         echo "== gen-data --static-cache failed (exit $rc): answering the rest without it"
         STATIC=()
-        CHUNK=6144; n=0      # on as without it, from the first prompt not yet answered
+        CHUNK=$DYNAMIC_CHUNK; n=0      # on as without it, from the first prompt not yet answered
         continue
     fi
     [ "$n" -ge "$total" ] && break

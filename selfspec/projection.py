@@ -149,19 +149,15 @@ PACKED_ENV = "SELFSPEC_CPU_PACKED"
 PACKED_SHARE_OF_MEMORY = 4     # auto: a 1/4 of physical memory at most goes to packed copies
 
 
-def _packed_setting() -> str:
-    return os.environ.get(PACKED_ENV, "auto").strip().lower() or "auto"
-
-
 def packed_budget() -> int:
     """Bytes of packed copies allowed (``$SELFSPEC_CPU_PACKED``: a number of MB, or auto)."""
-    setting = _packed_setting()
+    setting = os.environ.get(PACKED_ENV, "").strip().lower() or "auto"
     if setting in ("0", "off"):
         return 0
     if setting != "auto":
         try:
             return int(float(setting) * (1 << 20))
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ValueError(f"{PACKED_ENV}={setting!r}: use auto, off (or 0), or a number of MB") from None
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

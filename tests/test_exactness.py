@@ -12,7 +12,6 @@ from selfspec.decode import decode
 from selfspec.drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from selfspec.drafters.base import DecodeState, Draft, Drafter
 from selfspec.model import untrained_heads
-from selfspec.projection import packing_works
 from selfspec.sampling import SamplingParams
 from selfspec.settings import MEDUSA_DEFAULT
 from selfspec.tree import build_tree, chain, chain_with_siblings
@@ -282,8 +281,7 @@ def test_layer_exit_adapter_exact_and_its_cache_matches_a_fresh_run(tree, thresh
     torch.testing.assert_close(drafter.adapter_cache.layer(0)[1][:, :, :n], fresh.layer(0)[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["linear", "weight-major", "weight-major-pairs"]
-                         + (["packed"] if packing_works(torch.float32) else []))
+@pytest.mark.parametrize("layout", ["linear", "weight-major", "weight-major-pairs", "packed"])
 def test_every_product_layout_keeps_the_drafters_exact(monkeypatch, layout):
     """The LM head, the drafters' projections and the layers' few-row products pick a layout by timing
     (projection.py); force each one (one row: padded, except packed) on a tiny model, every layer rerouted."""
