@@ -195,7 +195,7 @@ class SelfSpeculativeModel:
         # Few-row products of the target's (and the drafter's) layers in their fastest layout on CPU
         # (projection.py); compiled steps are left to torch.compile.
         self.linears = nullcontext() if self.step is not None else \
-            few_row_linears(model, getattr(self.drafter, "model", None), getattr(heads, "module", None))
+            few_row_linears(model, *self.drafter.modules())
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -74,9 +74,10 @@ ROW_BUCKETS = (24, 32, 48, 64, 96, 128, 192, 256)
 MAX_LAYER_ROWS = ROW_BUCKETS[-1]
 TIMING_REPEATS = 3
 TIMING_BYTES = 64 << 20   # weights a timing streams through: more than a CPU's last-level cache
+MAX_TIMING_CALLS = 64     # ... in at most this many products
 
 Key = tuple   # (weight shape, dtype, threads, row bucket)
-TABLE: dict[Key, dict[str, float]] = {}    # the process's timings: key -> {layout: best seconds}
+TABLE: dict[Key, dict[str, float]] = {}    # the process's timings: key -> {layout: best seconds per product}
 CHOICE: dict[Key, str] = {}                # key -> the layout timed fastest
 
 
@@ -245,16 +246,20 @@ def tune_layout(key: Key, weights: Sequence[torch.Tensor], x: torch.Tensor) -> s
         CHOICE[key] = min(TABLE[key], key=TABLE[key].get)
         return CHOICE[key]
     per = weights[0].numel() * weights[0].element_size()
-    ws = list(weights[: max(1, TIMING_BYTES // max(per, 1))])
+    calls = max(1, min(TIMING_BYTES // max(per, 1), MAX_TIMING_CALLS))
+    # A shape with fewer weights than that (a draft head's) is cycled through: one short call is timed
+    # mostly by the threads waking up, which every layout pays alike, and hides the product's own cost.
+    ws = [weights[i % len(weights)] for i in range(calls)]
     for name in names:
-        LAYOUTS[name](x, ws[0])                     # warm-up (allocations, BLAS packing)
+        for w in weights[:calls]:
+            LAYOUTS[name](x, w)                     # warm-up (allocations, BLAS packing, packed copies)
     best = {name: float("inf") for name in names}
     for _ in range(TIMING_REPEATS):
         for name in names:
             t0 = time.perf_counter()
             for w in ws:
                 LAYOUTS[name](x, w)
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
     TABLE[key] = best
     CHOICE[key] = min(best, key=best.get)
     timings.put(_kept_key(key), best)
@@ -263,7 +268,7 @@ def tune_layout(key: Key, weights: Sequence[torch.Tensor], x: torch.Tensor) -> s
 
 def _kept_key(key: Key) -> str:
     shape, dtype, threads, rows = key
-    return f"layout|{'x'.join(map(str, shape))}|{str(dtype).removeprefix('torch.')}|threads={threads}|rows={rows}"
+    return f"layout-per-call|{'x'.join(map(str, shape))}|{str(dtype).removeprefix('torch.')}|threads={threads}|rows={rows}"
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -400,9 +405,7 @@ class FewRowLinears:
             timed = TABLE.get(key)
             if timed is None or key not in CHOICE:
                 return None
-            per = w.numel() * w.element_size()
-            streamed = min(len(self.weights[(tuple(w.shape), w.dtype)]), max(1, TIMING_BYTES // max(per, 1)))
-            self._pays[key] = (timed["linear"] - timed[CHOICE[key]]) / streamed > routing_cost()
+            self._pays[key] = timed["linear"] - timed[CHOICE[key]] > routing_cost()   # per product
         return self._pays[key]
 
     def _layer_rows(self, layer: nn.Module, args, kwargs):

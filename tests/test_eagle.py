@@ -50,6 +50,24 @@ def test_eagle_greedy_is_exact_on_every_architecture(arch, one_thread):
             assert stats.drafted >= stats.steps * min(nodes, expand * depth)
 
 
+def test_decoding_reroutes_the_products_of_the_head_copy_that_drafts(one_thread):
+    """A head drafting in another dtype (bfloat16 on a CPU that has it) drafts with a converted copy: that
+    copy's layers, not the loaded heads', are the ones whose few-row products a CPU decode reroutes."""
+    from selfspec.projection import FewRowLinears
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    drafter = EagleDrafter(bb, heads, dtype=torch.bfloat16)
+    assert drafter.modules() == (drafter.head,) and drafter.head is not heads.module
+    linears = FewRowLinears(model, *drafter.modules(), min_elements=0)
+    copied = {id(m) for m in drafter.head.modules() if isinstance(m, torch.nn.Linear) and m is not drafter.head.lm_head}
+    assert copied and copied <= {id(m) for m in linears.modules}
+    assert not {id(m) for m in heads.module.modules()} & {id(m) for m in linears.modules}
+    same = EagleDrafter(bb, heads, dtype=next(heads.module.parameters()).dtype)
+    assert same.modules() == (heads.module,)
+
+
 class GraftingEagle(EagleDrafter):
     """The eagle drafter plus the true continuation grafted in, j tokens at step j mod 6: every
     accepted length from 0 to 5 happens, through nodes the head drafted and nodes it never ran."""

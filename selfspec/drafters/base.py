@@ -85,6 +85,12 @@ class Drafter:
         tree = getattr(self, "tree", None)
         return (1 if tree is None else tree.size) + getattr(self, "lookup", 0)
 
+    def modules(self) -> tuple:
+        """The modules whose layers run while drafting (a CPU decode reroutes their few-row products:
+        ``projection.few_row_linears``): the heads' by default; a drafter that drafts with a converted
+        copy of them (or a model of its own) names that."""
+        return () if self.heads is None else (self.heads.module,)
+
     def use_step(self, step) -> None:
         """Called before a decode with its static verify step (``step.StaticStep``, ``compile=True``) or
         None (eager). A drafter that runs passes of its own may run them at static shapes to match."""

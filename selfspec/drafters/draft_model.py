@@ -100,6 +100,9 @@ class DraftModelDrafter(Drafter):
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
 
+    def modules(self) -> tuple:
+        return (self.model,)
+
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         self.cache, self.row, self.seen = kv.new_cache(), 0, 0
 

@@ -132,6 +132,9 @@ class EagleDrafter(Drafter):
     def max_nodes(self) -> int:
         return 1 + self.nodes + self.lookup
 
+    def modules(self) -> tuple:
+        return (self.head,)   # the copy it drafts with (bfloat16 on a CPU that has it), not the loaded heads
+
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None = None, rows: list[int] | None = None) -> torch.Tensor:

@@ -28,10 +28,11 @@ shapes its candidate trees, from the eval split).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -161,6 +162,18 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int,
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
+def in_dtype(heads: Heads, dtype: torch.dtype) -> Heads:
+    """``heads`` with a module in ``dtype`` (a converted copy where it differs)."""
+    if next(heads.module.parameters()).dtype == dtype:
+        return heads
+    return replace(heads, module=copy.deepcopy(heads.module).to(dtype))
+
+
+def drafting_modules(drafters: list) -> list:
+    """The modules the drafters draft with, each once (``Drafter.modules``)."""
+    return list({id(m): m for d in drafters for m in d.modules()}.values())
+
+
 def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], linears, *, max_new_tokens: int,
                   repeats: int, progress: bool) -> tuple[list[list[tuple]], list[list[float]]]:
     """Greedy-decode every prompt with every drafter (index 0: the plain reference), interleaved.
@@ -224,7 +237,8 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
                                                    lookup=k, corpus=corpus)
     elif heads.config.kind == "eagle":
         grid = [(spec, t, 0.0, k) for spec, t, k in EAGLE_GRID if prune or t == 0]
-        make = lambda spec, t, g, k: EagleDrafter(bb, heads, **parse_dynamic_tree(spec), threshold=t, lookup=k,  # noqa: E731
+        drafting = in_dtype(heads, draft_dtype(bb.device, bb.dtype))   # one copy for every candidate, not one each
+        make = lambda spec, t, g, k: EagleDrafter(bb, drafting, **parse_dynamic_tree(spec), threshold=t, lookup=k,  # noqa: E731
                                                   corpus=corpus)
     else:
         grid = [(spec, 0.0, 0.0, 0) for spec in EXIT_TREES]
@@ -232,8 +246,8 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
         make = lambda spec, t, g, k: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
                                                       threshold=t)
     drafters = [NoDrafter(bb.device)] + [make(*cand) for cand in grid]   # index 0: the plain reference
-    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, heads.module), max_new_tokens=max_new_tokens,
-                                 repeats=repeats, progress=progress)
+    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, *drafting_modules(drafters)),
+                                 max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
 
     def size(spec) -> int:
         if heads.config.kind == "eagle":
@@ -258,8 +272,8 @@ def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_token
     drafters = [NoDrafter(bb.device)] + [
         DraftModelDrafter(draft, build_tree(parse_tree(spec, default=()), str(bb.device)), vocab_size=bb.vocab_size,
                           threshold=t) for spec, t, _, _ in grid]
-    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, draft), max_new_tokens=max_new_tokens,
-                                 repeats=repeats, progress=progress)
+    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, *drafting_modules(drafters)),
+                                 max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
     cands = _candidates(grid, runs, ratios, lambda spec: build_tree(parse_tree(spec, default=())).size - 1)
     return pick(cands, tolerance=tolerance), cands
 
