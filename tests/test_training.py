@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -297,6 +298,9 @@ def test_pick_prefers_the_cheapest_candidate_within_the_timing_tolerance():
     assert pick([c("a", 1.2, 4.0), c("b", 1.25, 4.0)], tolerance=0.05).spec == "b"   # equal cost: the faster
     with pytest.raises(ValueError):
         pick([])
+    # After a second round only the finalists (timed on the most runs) compete.
+    fin_big, fin_small = replace(big, runs=24, speedup=1.45), replace(small, runs=24, speedup=1.30)
+    assert pick([fin_big, fin_small, replace(tiny, runs=12, speedup=1.50)], tolerance=0.05) is fin_big
 
 
 def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, capsys):
@@ -318,7 +322,7 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
         rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0)]}}
     cfg_path.write_text(json.dumps(raw))
     before = (tmp_path / "h" / "model.safetensors").read_bytes()
-    assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded"]) == 0
+    assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0.05"]) == 0
     fp = config_fingerprint(model.config)
     config = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config
     assert config.decode.tree == [[0], [0, 0]] and config.decode.lookup == 8 and config.provenance == {"steps": 7}
@@ -681,8 +685,11 @@ def test_tune_tree_times_eagle_heads_on_given_prompts(tmp_path, capsys):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 97, (n,), generator=g) for n in (5, 7, 6)]
     best, cands, acc = tune_tree(model, heads, [], n_prompts=2, max_new_tokens=6, repeats=1, progress=False,
-                                 prompts=prompts)
+                                 prompts=prompts, finalists=3)
     assert acc is None and best == pick(cands) and len(cands) == len(EAGLE_GRID)
+    # The second round re-timed at most 3 of the fastest on the prompt left over; the pick is one of them.
+    finalists = [c for c in cands if c.runs == 3]
+    assert 1 <= len(finalists) <= 3 and best in finalists and all(c.runs in (2, 3) for c in cands)
     assert {c.threshold for c in cands} > {0.0} and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
     with pytest.raises(ValueError, match="no prompts"):
         tune_tree(model, heads, [], n_prompts=2, progress=False, prompts=[])

@@ -65,6 +65,12 @@ from .split import Sequence, recorded_split
 # Timing: more prompts rather than repeats of a few, at the bench's length (short runs undervalue the
 # context lookup: docs/training.md, where it describes `tune-tree`, gives the measurement).
 TUNE_PROMPTS, TUNE_REPEATS, TUNE_NEW_TOKENS = 12, 1, DEFAULT_MAX_NEW_TOKENS
+# A second round re-times the fastest candidates (at most FINALISTS of them, within twice the tolerance of
+# the best) with plain decoding on as many other prompts, and the pick is made among them on both rounds:
+# one round of a dozen prompts ranked candidates 3-10% apart by chance (docs/training.md).
+FINALISTS = 6
+# Candidates within this fraction of the best speedup count as tied (``pick``).
+TUNE_TOLERANCE = 0.03
 MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
 # Also timed cut by confidence (all of the above are timed uncut). On the 2-core dev CPU, verifying
@@ -104,6 +110,7 @@ class Candidate:
     lookup: int = 0
     nodes_per_step: float = 0.0   # draft nodes actually verified per step, after pruning
     speedup: float = 0.0          # median per-prompt tokens/s over plain decoding's, same round
+    runs: int = 0                 # timed runs behind these numbers (a finalist's count both rounds)
 
 
 def heldout_sequences(data_dir: str, heads: Heads) -> list[Sequence]:
@@ -209,7 +216,7 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
 
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUNE_PROMPTS,
               max_new_tokens: int = TUNE_NEW_TOKENS, repeats: int = TUNE_REPEATS, progress: bool = True,
-              prune: bool = True, tolerance: float = 0.05,
+              prune: bool = True, tolerance: float = TUNE_TOLERANCE, finalists: int = FINALISTS,
               prompts: list[torch.Tensor] | None = None, corpus=None) -> tuple[Candidate, list[Candidate], list | None]:
     """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
 
@@ -217,12 +224,14 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
     ``speedup`` is the median over (prompt, round) of its tokens/s over plain decoding's on the
     same prompt in the same round; ``pick`` chooses among them.
 
-    Timed on ``prompts`` (token ids) when given, else on the prompts of the first ``n_prompts`` of
-    ``seqs`` (held-out sequences; Medusa also reads its rank accuracy from them). ``corpus``: what the
-    candidates' lookup reads where the context has no match (``corpus.Corpus``; None: the context only).
+    Timed on ``prompts`` (token ids) when given, else on the prompts of ``seqs`` (held-out sequences;
+    Medusa also reads its rank accuracy from them): the first ``n_prompts``, then the next ``n_prompts``
+    for the second round of ``finalists`` candidates (``time_candidates``; none when 0 or no prompts are
+    left). ``corpus``: what the candidates' lookup reads where the context has no match
+    (``corpus.Corpus``; None: the context only).
     """
     bb = Backbone(model)
-    prompts = prompts[:n_prompts] if prompts is not None else [s.ids[: s.response_start] for s in seqs[:n_prompts]]
+    prompts = prompts if prompts is not None else [s.ids[: s.response_start] for s in seqs[:2 * n_prompts]]
     if not prompts:
         raise ValueError("no prompts to time on")
     acc = None
@@ -246,25 +255,26 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
         make = lambda spec, t, g, k: EarlyExitDrafter(bb, heads, build_tree(parse_tree(spec, default=()), str(bb.device)),  # noqa: E731
                                                       threshold=t)
     drafters = [NoDrafter(bb.device)] + [make(*cand) for cand in grid]   # index 0: the plain reference
-    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, *drafting_modules(drafters)),
-                                 max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
 
     def size(spec) -> int:
         if heads.config.kind == "eagle":
             return parse_dynamic_tree(spec)["nodes"]
         return build_tree(parse_tree(spec, default=())).size - 1
 
-    cands = _candidates(grid, runs, ratios, size)
+    cands = time_candidates(bb, drafters, grid, size, prompts[:n_prompts], prompts[n_prompts:2 * n_prompts],
+                            few_row_linears(model, *drafting_modules(drafters)), max_new_tokens=max_new_tokens,
+                            repeats=repeats, progress=progress, tolerance=tolerance, finalists=finalists)
     return pick(cands, tolerance=tolerance), cands, acc
 
 
 def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_tokens: int = TUNE_NEW_TOKENS,
-                     repeats: int = TUNE_REPEATS,
-                     progress: bool = True, prune: bool = True,
-                     tolerance: float = 0.05) -> tuple[Candidate, list[Candidate]]:
+                     repeats: int = TUNE_REPEATS, n_prompts: int | None = None,
+                     progress: bool = True, prune: bool = True, tolerance: float = TUNE_TOLERANCE,
+                     finalists: int = FINALISTS) -> tuple[Candidate, list[Candidate]]:
     """Time the draft model's chains (``DRAFT_GRID``) against plain decoding as ``tune_tree`` times
     trees; return (best, all). ``draft`` should already be in its drafting dtype (``draft_dtype``),
-    else every candidate's drafter converts a copy of its own."""
+    else every candidate's drafter converts a copy of its own. The first ``n_prompts`` of ``prompts``
+    (default: all) time every chain, the next ``n_prompts`` the finalists (``time_candidates``)."""
     if not prompts:
         raise ValueError("no prompts to time on")
     bb = Backbone(model)
@@ -272,10 +282,35 @@ def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_token
     drafters = [NoDrafter(bb.device)] + [
         DraftModelDrafter(draft, build_tree(parse_tree(spec, default=()), str(bb.device)), vocab_size=bb.vocab_size,
                           threshold=t) for spec, t, _, _ in grid]
-    runs, ratios = time_drafters(bb, drafters, prompts, few_row_linears(model, *drafting_modules(drafters)),
-                                 max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
-    cands = _candidates(grid, runs, ratios, lambda spec: build_tree(parse_tree(spec, default=())).size - 1)
+    n = len(prompts) if n_prompts is None else n_prompts
+    cands = time_candidates(bb, drafters, grid, lambda spec: build_tree(parse_tree(spec, default=())).size - 1,
+                            prompts[:n], prompts[n:2 * n], few_row_linears(model, *drafting_modules(drafters)),
+                            max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, tolerance=tolerance,
+                            finalists=finalists)
     return pick(cands, tolerance=tolerance), cands
+
+
+def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first: list[torch.Tensor],
+                    second: list[torch.Tensor], linears, *, max_new_tokens: int, repeats: int, progress: bool,
+                    tolerance: float, finalists: int) -> list[Candidate]:
+    """Time ``drafters`` (index 0: plain decoding; then one per ``grid`` row) on ``first``, then the
+    ``finalists`` fastest of those within twice ``tolerance`` of the best again on ``second`` (with
+    plain decoding, interleaved as before); a finalist's numbers pool both rounds. Returns one
+    ``Candidate`` per grid row."""
+    runs, ratios = time_drafters(bb, drafters, first, linears, max_new_tokens=max_new_tokens,
+                                 repeats=repeats, progress=progress)
+    cands = _candidates(grid, runs, ratios, size)
+    if finalists <= 0 or not second:
+        return cands
+    top = max(c.speedup for c in cands)
+    near = sorted((i for i, c in enumerate(cands) if c.speedup >= (1 - 2 * tolerance) * top),
+                  key=lambda i: -cands[i].speedup)[:finalists]
+    more_runs, more_ratios = time_drafters(bb, [drafters[0]] + [drafters[i + 1] for i in near], second, linears,
+                                           max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
+    for j, i in enumerate(near, start=1):
+        runs[i + 1] += more_runs[j]
+        ratios[i + 1] += more_ratios[j]
+    return _candidates(grid, runs, ratios, size)
 
 
 def _candidates(grid: list[tuple], runs: list[list[tuple]], ratios: list[list[float]], size) -> list[Candidate]:
@@ -286,17 +321,21 @@ def _candidates(grid: list[tuple], runs: list[list[tuple]], ratios: list[list[fl
 
     return [Candidate(spec=spec, size=size(spec), threshold=t, gate=g, lookup=k,
                       tokens_per_s=total(i, 0) / total(i, 1), tau=total(i, 3) / max(total(i, 2), 1),
-                      nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]))
+                      nodes_per_step=total(i, 4) / max(total(i, 2), 1), speedup=statistics.median(ratios[i]),
+                      runs=len(ratios[i]))
             for i, (spec, t, g, k) in enumerate(grid, start=1)]
 
 
-def pick(cands: list[Candidate], *, tolerance: float = 0.05) -> Candidate:
-    """The candidate to ship: of those within ``tolerance`` of the best median speedup, the one that
-    verifies the fewest rows per step (then the fastest). A few prompts on a shared machine time
-    candidates only to within a few percent, so a bigger tree that is not clearly faster loses: each
-    extra verified row is a cost that prompts unlike the tuning ones pay whether or not it is accepted."""
+def pick(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> Candidate:
+    """The candidate to ship: of those timed on the most runs (the finalists, when a second round
+    ran), and of them those within ``tolerance`` of the best median speedup, the one that verifies the
+    fewest rows per step (then the fastest). Prompts on a shared machine time candidates only to
+    within a few percent, so a bigger tree that is not clearly faster loses: each extra verified row
+    is a cost that prompts unlike the tuning ones pay whether or not it is accepted."""
     if not cands:
         raise ValueError("no candidates to pick from")
+    most = max(c.runs for c in cands)
+    cands = [c for c in cands if c.runs == most]
     top = max(c.speedup for c in cands)
     close = [c for c in cands if c.speedup >= (1 - tolerance) * top]
     return min(close, key=lambda c: (c.nodes_per_step, -c.speedup))
@@ -323,9 +362,12 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=TUNE_REPEATS, help=f"rounds over the prompts (default {TUNE_REPEATS})")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
-    p.add_argument("--tolerance", type=float, default=0.05,
+    p.add_argument("--tolerance", type=float, default=TUNE_TOLERANCE,
                    help="candidates within this fraction of the best speedup count as tied; the one verifying "
-                        "the fewest rows per step wins (default 0.05)")
+                        f"the fewest rows per step wins (default {TUNE_TOLERANCE})")
+    p.add_argument("--finalists", type=int, default=FINALISTS,
+                   help=f"re-time this many of the fastest candidates on --prompts-n other prompts and pick among "
+                        f"them on both rounds (default {FINALISTS}; 0 = one round)")
     p.add_argument("--corpus", default="auto", help="medusa / eagle: the corpus the candidates' lookup reads where the "
                    "context has no match (auto = the one shipped for the demo model, none = off)")
     p.add_argument("--recorded", action="store_true",
@@ -337,6 +379,7 @@ def check_tune_args(args) -> None:
     in_unit_interval(args.tolerance, "tolerance", open_high=True)
     for name in ("prompts_n", "max_new_tokens", "repeats", "threads"):
         at_least(getattr(args, name), 1, name)
+    at_least(args.finalists, 0, "finalists")
     if (args.heads is None) == (args.draft_model is None):
         raise ValueError("pass --heads DIR (trained heads) or --draft-model NAME (a separate draft model), one of them")
     if args.draft_model is not None:
@@ -382,16 +425,17 @@ def run_tune(args) -> int:
     if args.prompts is not None:
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
-                   for pr in load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)]
+                   for pr in load_bench_prompts(args.prompts, sample=_rounds(args) * args.prompts_n, seed=args.seed)]
     corpus_dir = (shipped_corpus(args.model) if args.corpus == "auto" else None if args.corpus == "none"
                   else args.corpus) if kind in LOOKUP_DRAFTERS else None
     corpus = None if corpus_dir is None else load_corpus(corpus_dir, fingerprint=config_fingerprint(loaded.model.config))
     best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
-                                 tolerance=args.tolerance, prompts=prompts, corpus=corpus)
+                                 tolerance=args.tolerance, finalists=args.finalists, prompts=prompts, corpus=corpus)
     _print_candidates(cands)
-    timed_on = {"prompts": Path(args.prompts).name, "n_prompts": len(prompts), "seed": args.seed} if prompts else \
-        {"held_out_prompts": min(args.prompts_n, len(seqs))}
+    timed_on = {"prompts": Path(args.prompts).name, "n_prompts": min(args.prompts_n, len(prompts)), "seed": args.seed} \
+        if prompts else {"held_out_prompts": min(args.prompts_n, len(seqs))}
+    timed_on["finalists"] = args.finalists
     corpus_note = None if corpus_dir is None else "auto (the shipped corpus)" if args.corpus == "auto" else str(corpus_dir)
     search = {**timed_on, "corpus": corpus_note, "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
@@ -400,10 +444,16 @@ def run_tune(args) -> int:
     return _record(args.heads, heads.config, best, {**search, "tolerance": args.tolerance})
 
 
+def _rounds(args) -> int:
+    """How many sets of --prompts-n prompts a run reads: a second one for the finalists."""
+    return 2 if args.finalists > 0 else 1
+
+
 def _print_candidates(cands: list[Candidate]) -> None:
     for c in cands:
         print(f"{c.size:3d} nodes  threshold {c.threshold:4.2f}  gate {c.gate:3.1f}  lookup {c.lookup}  {c.nodes_per_step:5.2f} verified/step  "
-              f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.spec if isinstance(c.spec, str) else ''}")
+              f"{c.tokens_per_s:6.1f} tok/s  {c.speedup:5.2f}x plain  tau {c.tau:.2f}  {c.runs:3d} runs  "
+              f"{c.spec if isinstance(c.spec, str) else ''}")
 
 
 def _run_tune_pair(args, loaded) -> int:
@@ -421,12 +471,14 @@ def _run_tune_pair(args, loaded) -> int:
     else:
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
-                   for pr in load_bench_prompts(args.prompts, sample=args.prompts_n, seed=args.seed)]
+                   for pr in load_bench_prompts(args.prompts, sample=_rounds(args) * args.prompts_n, seed=args.seed)]
         _, cands = tune_draft_model(loaded.model, draft, prompts, max_new_tokens=args.max_new_tokens,
-                                    repeats=args.repeats, prune=not args.no_prune, tolerance=args.tolerance)
+                                    repeats=args.repeats, n_prompts=args.prompts_n, prune=not args.no_prune,
+                                    tolerance=args.tolerance, finalists=args.finalists)
         _print_candidates(cands)
         search = {"target": args.model, "draft": args.draft_model, "prompts": Path(args.prompts).name,
-                  "n_prompts": len(prompts), "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                  "n_prompts": min(args.prompts_n, len(prompts)), "finalists": args.finalists, "seed": args.seed,
+                  "max_new_tokens": args.max_new_tokens,
                   "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands]}
     best = pick(cands, tolerance=args.tolerance)
     decode = DecodeSettings(tree=best.spec, threshold=best.threshold)
