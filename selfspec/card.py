@@ -220,10 +220,13 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
                   "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
                   "are grafted on (greedy); verified/step counts the nodes verified."
+                  + (f" A second round timed again the fastest candidates (at most {ts['finalists']}, those within "
+                     f"twice the tolerance of the best) on {ts['n_prompts']} other prompts of the file; their numbers pool both "
+                     "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
                   + (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
                      "verifies the fewest nodes per step." if ts.get("tolerance") is not None else ""), "",
-                  "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau | runs |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for c in ts["candidates"]:
             name = c["spec"] if isinstance(c["spec"], str) else f"{c['size']}-node Medusa tree"
             name = f"{name} (depth-expand-nodes)" if name.startswith("dynamic-") else name
@@ -231,7 +234,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
             speedup = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
             lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | {c.get('lookup', 0)} | "
                          f"{'-' if nodes is None else f'{nodes:.2f}'} | "
-                         f"{c['tokens_per_s']:.1f} | {speedup} | {c['tau']:.2f} |")
+                         f"{c['tokens_per_s']:.1f} | {speedup} | {c['tau']:.2f} | {c.get('runs') or '-'} |")
         chosen = decode.tree
         lines.append("")
         lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
