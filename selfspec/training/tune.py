@@ -67,7 +67,8 @@ from .split import Sequence, recorded_split
 TUNE_PROMPTS, TUNE_REPEATS, TUNE_NEW_TOKENS = 12, 1, DEFAULT_MAX_NEW_TOKENS
 # A second round re-times the fastest candidates (at most FINALISTS of them, within twice the tolerance of
 # the best) with plain decoding on as many other prompts, and the pick is made among them on both rounds:
-# one round of a dozen prompts ranked candidates 3-10% apart by chance (docs/training.md).
+# a median over a dozen prompts is coarse (two candidates 3% apart in tokens/s had medians 11% apart:
+# docs/training.md).
 FINALISTS = 6
 # Candidates within this fraction of the best speedup count as tied (``pick``).
 TUNE_TOLERANCE = 0.03
