@@ -21,10 +21,11 @@ trained) and ``model.safetensors``. Loading refuses heads made for another model
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -168,6 +169,13 @@ class Heads:
     config: HeadsConfig
     module: nn.Module
     draft_vocab: torch.Tensor | None = None  # (V_draft,) token ids the heads may propose; None = all
+
+
+def heads_in_dtype(heads: Heads, dtype: torch.dtype) -> Heads:
+    """``heads`` with a module in ``dtype``: themselves, or a converted copy where the dtype differs."""
+    if next(heads.module.parameters()).dtype == dtype:
+        return heads
+    return replace(heads, module=copy.deepcopy(heads.module).to(dtype))
 
 
 def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:

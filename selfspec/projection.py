@@ -255,8 +255,7 @@ def tune_layout(key: Key, weights: Sequence[torch.Tensor], x: torch.Tensor) -> s
     # mostly by the threads waking up, which every layout pays alike, and hides the product's own cost.
     ws = [weights[i % len(weights)] for i in range(calls)]
     for name in names:
-        for w in weights[:calls]:
-            LAYOUTS[name](x, w)                     # warm-up (allocations, BLAS packing, packed copies)
+        LAYOUTS[name](x, ws[0])                     # warm-up (allocations, BLAS packing)
     best = {name: float("inf") for name in names}
     for _ in range(TIMING_REPEATS):
         for name in names:

@@ -149,6 +149,7 @@ CASES = [
     # eval-heads / tune-tree / export / synth-prompts
     ("eval-heads-truncated-heads", "eval-heads --model {d}/tiny --heads {d}/trunc-medusa --prompts {d}/good.jsonl"),
     ("tune-tree-repeats-zero", "tune-tree --model {d}/tiny --heads {d}/medusa --data {d}/data --repeats 0"),
+    ("tune-tree-finalists-negative", "tune-tree --model {d}/tiny --heads {d}/medusa --data {d}/data --finalists -1"),
     ("tune-tree-neither-heads-nor-draft", "tune-tree --model {d}/tiny --data {d}/data"),
     ("tune-tree-heads-and-draft", "tune-tree --model {d}/tiny --heads {d}/medusa --draft-model {d}/tiny "
                                   "--prompts {d}/good.jsonl"),

@@ -46,7 +46,6 @@ has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import TYPE_CHECKING
 
@@ -55,7 +54,7 @@ import torch
 from .. import cache as kv
 from ..backbone import Backbone
 from ..corpus import Corpus
-from ..heads import Heads
+from ..heads import Heads, heads_in_dtype
 from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
 from ..settings import STATIC_EAGLE_HEAD_DEVICES
@@ -112,8 +111,7 @@ class EagleDrafter(Drafter):
         if static_head not in (None, True, False):
             raise ValueError(f"static_head must be True, False or None (got {static_head!r})")
         self.static_head = static_head
-        loaded = next(heads.module.parameters()).dtype
-        self.head = heads.module if self.dtype == loaded else copy.deepcopy(heads.module).to(self.dtype)
+        self.head = heads_in_dtype(heads, self.dtype).module
         self.depth, self.expand, self.nodes = check_dynamic_tree(depth, expand, nodes)
         self.threshold = check_threshold(threshold)
         self.log_threshold = math.log(self.threshold) if self.threshold > 0 else -math.inf

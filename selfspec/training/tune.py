@@ -28,11 +28,10 @@ shapes its candidate trees, from the eval split).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ from ..decode import decode
 from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
 from ..drafters.base import draft_dtype
 from ..drafters.eagle import parse_dynamic_tree
-from ..heads import Heads, load_heads, read_heads_config, write_heads_config
+from ..heads import Heads, heads_in_dtype, load_heads, read_heads_config, write_heads_config
 from ..bench.harness import load_prompts as load_bench_prompts
 from ..io import atomic_write_text, prompt_ids
 from ..loading import check_model_name, load_model
@@ -170,13 +169,6 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int,
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
-def in_dtype(heads: Heads, dtype: torch.dtype) -> Heads:
-    """``heads`` with a module in ``dtype`` (a converted copy where it differs)."""
-    if next(heads.module.parameters()).dtype == dtype:
-        return heads
-    return replace(heads, module=copy.deepcopy(heads.module).to(dtype))
-
-
 def drafting_modules(drafters: list) -> list:
     """The modules the drafters draft with, each once (``Drafter.modules``)."""
     return list({id(m): m for d in drafters for m in d.modules()}.values())
@@ -247,7 +239,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
                                                    lookup=k, corpus=corpus)
     elif heads.config.kind == "eagle":
         grid = [(spec, t, 0.0, k) for spec, t, k in EAGLE_GRID if prune or t == 0]
-        drafting = in_dtype(heads, draft_dtype(bb.device, bb.dtype))   # one copy for every candidate, not one each
+        drafting = heads_in_dtype(heads, draft_dtype(bb.device, bb.dtype))   # one copy for every candidate, not one each
         make = lambda spec, t, g, k: EagleDrafter(bb, drafting, **parse_dynamic_tree(spec), threshold=t, lookup=k,  # noqa: E731
                                                   corpus=corpus)
     else:
