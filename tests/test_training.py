@@ -17,7 +17,7 @@ from selfspec.model import SelfSpeculativeModel
 from selfspec.settings import DecodeSettings
 from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
 from selfspec.training.checkpoint import STATE_FILE
-from selfspec.training.split import collate, frequent_vocab, to_sequences
+from selfspec.training.split import GROUP_BATCHES, batch_indices, collate, frequent_vocab, to_sequences
 from selfspec.training.train import TrainConfig, train_heads
 
 @pytest.fixture(autouse=True)
@@ -146,6 +146,31 @@ def test_collate_window_and_mask():
     b = collate(seqs, lead=2)  # Medusa with 2 heads reads from two positions earlier
     assert b.window[0].tolist() == [0, 1, 2, 3, 4] and b.mask[0].tolist() == [False, False, True, True, True]
     assert to_sequences(distill_dataset([([1, 2, 3, 4, 5, 6], 4)]), max_len=3)[0].response_start == 1
+
+
+def test_length_grouped_batches_cover_an_epoch_once_with_little_padding():
+    g = torch.Generator().manual_seed(0)
+    n, bs = 3000, 8
+    lengths = tuple(int(x) for x in torch.randint(20, 500, (n,), generator=g))
+    per_epoch = n // bs
+
+    def epoch(e, grouped):
+        return [batch_indices(n, micro_step=e * per_epoch + s, batch_size=bs, seed=3, lengths=lengths if grouped else None)
+                for s in range(per_epoch)]
+
+    def padding(batches):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches) / \
+            sum(lengths[i] for b in batches for i in b)
+
+    first = epoch(0, True)
+    seen = [i for b in first for i in b]
+    assert all(len(b) == bs for b in first) and len(set(seen)) == len(seen) == per_epoch * bs   # whole batches, no repeats
+    assert padding(first) < 0.05 < 0.5 < padding(epoch(0, False))
+    assert epoch(0, True) == first and epoch(1, True) != first            # a pure function of (seed, step); epochs differ
+    tops = [max(lengths[i] for i in b) for b in first[:2 * GROUP_BATCHES]]
+    assert tops != sorted(tops) and tops != sorted(tops, reverse=True)    # batches come in random order, not by length
+    small = batch_indices(5, micro_step=1, batch_size=bs, seed=3, lengths=lengths[:5])   # fewer sequences than a batch
+    assert len(small) == bs and set(small) <= set(range(5))
 
 
 # ---------------------------------------------------------------------------------------------- runs

@@ -80,6 +80,7 @@ def optimizer_loop(
     params,
     config,
     n_train: int,
+    lengths: tuple[int, ...] | None = None,
     micro_loss: Callable[[list[int]], tuple[HeadLoss, Batch]],
     evaluate_at: Callable[[int], EvalResult | None],
     save: Callable[[RunState, float], None],
@@ -92,7 +93,8 @@ def optimizer_loop(
     """Optimizer steps from ``state.step`` to ``config.steps``, shared by train-heads and train-draft.
 
     Each step takes ``config.grad_accum`` micro-batches; micro-batch i of step s is
-    ``batch_indices(n_train, micro_step=s * grad_accum + i)`` split across processes, and
+    ``batch_indices(n_train, micro_step=s * grad_accum + i)`` (of similar ``lengths`` when given) split
+    across processes, and
     ``micro_loss(indices)`` returns its loss and batch. With several processes each one's loss is
     divided by the whole micro-batch's counts (all-reduced), so that the averaged gradients are those
     of one process running the whole batch. Gradients are clipped to norm 1, the
@@ -124,7 +126,7 @@ def optimizer_loop(
         while state.step < config.steps:
             for micro in range(config.grad_accum):
                 idx = batch_indices(n_train, micro_step=state.step * config.grad_accum + micro,
-                                    batch_size=config.batch_size * world, seed=config.seed)
+                                    batch_size=config.batch_size * world, seed=config.seed, lengths=lengths)
                 with accelerator.accumulate(module), accelerator.autocast():
                     r, batch = micro_loss(idx[rank::world])
                     loss = r.loss
@@ -253,6 +255,9 @@ def fit(
     device = accelerator.device
     raw = accelerator.unwrap_model(objective).module
     train_seqs, eval_seqs = [seqs[i] for i in train_idx], [seqs[i] for i in eval_idx]
+    # A resumed run keeps its own batching (runs saved before the setting existed did not group).
+    grouped = config.group_by_length if saved is None else saved["config"].get("group_by_length", False)
+    lengths = tuple(len(s.ids) for s in train_seqs) if grouped else None
 
     def micro_loss(mine: list[int]) -> tuple[HeadLoss, Batch]:
         batch = collate([train_seqs[i] for i in mine], lead=task.lead)
@@ -276,6 +281,6 @@ def fit(
             atomic_torch_save(trainer_state, out / STATE_FILE)
 
     return optimizer_loop(accelerator=accelerator, module=objective, optimizer=optimizer, scheduler=scheduler,
-                          params=params, config=config, n_train=len(train_seqs), micro_loss=micro_loss,
+                          params=params, config=config, n_train=len(train_seqs), lengths=lengths, micro_loss=micro_loss,
                           evaluate_at=evaluate_at, save=save, state=state, out=out, desc=desc,
                           progress=progress, callback=callback)

@@ -6,6 +6,7 @@ would have; the held-out split of a finished run can be rebuilt from what its he
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -150,16 +151,48 @@ def warm_split(seqs: list[Sequence], eval_idx: list[int], init: Heads) -> tuple[
     return [i for i in range(len(seqs)) if i not in eval_set], eval_new
 
 
-def batch_indices(n: int, *, micro_step: int, batch_size: int, seed: int) -> list[int]:
-    """Indices for global micro-batch ``micro_step``: consecutive slices of per-epoch permutations.
+# With length grouping, each epoch's permutation is cut into runs of this many micro-batches, each
+# run is sorted by length and cut into micro-batches, and those are shuffled: a batch pads to its
+# longest sequence, and random batches of the broad data were over half padding.
+GROUP_BATCHES = 64
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, *, epoch: int, seed: int, batch_size: int, lengths: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The order of the n training sequences in ``epoch``: a seeded permutation; with ``lengths``, that
+    permutation's runs of ``GROUP_BATCHES`` micro-batches sorted by length and cut into micro-batches,
+    which are then shuffled (seeded). The last run's short remainder (n mod batch_size sequences, a
+    different random few each epoch) is left out, so every micro-batch is whole and length-grouped."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    if lengths is None:
+        return tuple(perm)
+    if len(lengths) != n:
+        raise ValueError(f"{len(lengths)} lengths for {n} sequences")
+    span = batch_size * GROUP_BATCHES
+    batches = []
+    for at in range(0, n, span):
+        run = sorted(perm[at:at + span], key=lambda i: -lengths[i])   # stable: ties keep the permutation's order
+        batches += [run[b:b + batch_size] for b in range(0, len(run) - batch_size + 1, batch_size)]
+    shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 100_003 + epoch + 50_000_017))
+    return tuple(i for b in shuffle.tolist() for i in batches[b])
+
+
+def batch_indices(n: int, *, micro_step: int, batch_size: int, seed: int,
+                  lengths: tuple[int, ...] | None = None) -> list[int]:
+    """Indices for global micro-batch ``micro_step``: consecutive slices of per-epoch orders
+    (``epoch_order``; micro-batches of similar lengths when ``lengths`` is given and n >= batch_size).
 
     A pure function of (seed, micro_step), so resuming needs nothing but the step counter.
     """
+    if lengths is not None and n >= batch_size:
+        epoch, b = divmod(micro_step, n // batch_size)
+        order = epoch_order(n, epoch=epoch, seed=seed, batch_size=batch_size, lengths=lengths)
+        return list(order[b * batch_size:(b + 1) * batch_size])
     out, offset = [], micro_step * batch_size
     while len(out) < batch_size:
         epoch, pos = divmod(offset, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        take = perm[pos : pos + batch_size - len(out)].tolist()
+        order = epoch_order(n, epoch=epoch, seed=seed, batch_size=batch_size, lengths=None)
+        take = list(order[pos : pos + batch_size - len(out)])
         out += take
         offset += len(take)
     return out

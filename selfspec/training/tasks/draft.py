@@ -93,10 +93,12 @@ def evaluate_draft(student, target: Target, seqs: list[Sequence], *, batch_size:
     was_training = student.training
     student.eval()
     kl_sum, top1, top5, count = 0.0, 0.0, 0.0, 0.0
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))   # batches of similar lengths pad less
     for lo in range(0, len(seqs), batch_size):
-        final = None if features is None else features.gather(feature_ids[lo : lo + batch_size], device=device)[0]
+        part = order[lo : lo + batch_size]
+        final = None if features is None else features.gather([feature_ids[i] for i in part], device=device)[0]
         with autocast():
-            r = draft_loss(student, target, collate(seqs[lo : lo + batch_size], lead=0), device=device, final=final)
+            r = draft_loss(student, target, collate([seqs[i] for i in part], lead=0), device=device, final=final)
         n = float(r.count[0])
         kl_sum, top1, top5, count = kl_sum + float(r.kl[0]) * n, top1 + float(r.top1[0]) * n, top5 + float(r.top5[0]) * n, count + n
     student.train(was_training)
