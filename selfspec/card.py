@@ -108,9 +108,10 @@ def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
     return lines
 
 
-def _init_lines(init: dict | None, hardware: str) -> list[str]:
+def _init_lines(init: dict | None) -> list[str]:
     """A warm-started run: the runs it started from (its ``init``, that run's ``init``, ...), whose
-    steps and time come on top of this run's. The last of the chain was trained from scratch."""
+    steps and time come on top of this run's, each on the hardware it recorded (runs from before
+    that was recorded say so). The last of the chain was trained from scratch."""
     chain = []
     while init:
         chain.append(init)
@@ -120,7 +121,7 @@ def _init_lines(init: dict | None, hardware: str) -> list[str]:
         stage = len(chain) - n
         how = "trained from scratch" if stage == 1 else f"itself warm-started from `{chain[n + 1]['path']}`"
         lines += [f"- {'warm-started from' if n == 0 else 'which was'} `{run['path']}` (stage {stage}, {how}: "
-                  f"{run.get('steps')} steps, {run.get('tokens_seen')} response tokens seen, {run.get('wall_s')} s on {hardware}) on:",
+                  f"{run.get('steps')} steps, {run.get('tokens_seen')} response tokens seen, {run.get('wall_s')} s on {run.get('hardware') or 'hardware not recorded'}) on:",
                   *("  " + line for line in _data_lines(run.get("data"), run.get("rows"))[1:])]
     if chain:
         lines.append(f"- the numbers above are stage {len(chain) + 1}'s own; every earlier stage's held-out sequences stay held out")
@@ -145,7 +146,7 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
              f"lr {tc.get('lr')}, warm-up {tc.get('warmup')} + cosine, loss on the "
              f"{tc.get('draft_vocab_size')} most frequent response tokens",
              f"- response tokens seen: {t.get('tokens_seen')}",
-             f"- wall time: {t.get('wall_s')} s on {hardware} (the one-off backbone feature pass not included)",
+             f"- wall time: {t.get('wall_s')} s on {t.get('hardware') or hardware} (the one-off backbone feature pass not included)",
              f"- held-out (train-split prompts never trained on) top-1 agreement with the target: "
              f"{_pct(ev.get('top1'))}, top-5: {_pct(ev.get('top5'))}, KL {ev.get('loss', float('nan')):.3f} "
              f"over {ev.get('tokens')} positions", ""]
@@ -200,10 +201,10 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               f"- response tokens seen: {extra.get('tokens_seen')}"
               + (f" (the loss also reads the prompt rows: {tc.get('batch_size')} x {extra.get('steps')} sequences of at most "
                  f"{tc.get('max_len')} tokens)" if tc.get("loss_rows") == "all" else ""),
-              f"- wall time: {extra.get('wall_s')} s on {hardware}"
+              f"- wall time: {extra.get('wall_s')} s on {extra.get('hardware') or hardware}"
               + (" (the frozen target runs inside every step)" if kind == "eagle" else
                  " (the one-off backbone feature pass not included)"),
-              *_init_lines(extra.get("init"), hardware),
+              *_init_lines(extra.get("init")),
               f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
               f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
               f"count, which also scores deeper heads from the prompt's last positions)", ""]
@@ -252,14 +253,16 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
     return "\n".join(lines)
 
 
-def this_hardware() -> str:
-    """What a run here runs on, as a card states it: the GPU's name, else the CPU's core count."""
+def this_hardware(device=None) -> str:
+    """What a run on ``device`` (default: the GPU when there is one) runs on, as a card states it: the
+    GPU's name, else the CPU's core count. Training records it with each run (``provenance.hardware``)."""
     import os
 
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     return f"{os.cpu_count()}-core CPU (no GPU)"
 
 

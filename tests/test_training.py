@@ -645,6 +645,15 @@ def test_warm_start_keeps_the_init_weights_vocabulary_and_held_out_split(tmp_pat
         train_heads(model, ds, config=_cfg(tmp_path, "bad", num_heads=3, init=first.out), name="tiny",
                     data_dir=str(data), progress=False)
     assert heads.config.provenance["init"]["path"] == first.out and heads.config.provenance["init"]["steps"] == 3
+    # Each stage records where it trained, and the model card names that, not the machine writing the card.
+    from selfspec.card import card, this_hardware
+    assert heads.config.provenance["hardware"] == heads.config.provenance["init"]["hardware"] == this_hardware("cpu")
+    raw = json.loads((tmp_path / "warm" / "config.json").read_text())
+    raw["provenance"]["init"]["hardware"] = "one test GPU"
+    (tmp_path / "warm" / "config.json").write_text(json.dumps(raw))
+    text = card(tmp_path / "warm", None, None, "the card writer's box")
+    assert f"s on {this_hardware('cpu')} (the one-off" in text and "s on one test GPU) on:" in text
+    assert "card writer" not in text
     # On a machine without the init's data its split cannot be rebuilt: one line that says so, not a data error.
     moved = tmp_path / "moved"
     data.rename(moved)

@@ -39,7 +39,7 @@ from .checkpoint import STATE_FILE, check_resumable
 from .cli_args import at_least, check_training_config, flag_type, run_module
 from ..settings import default_exit_layer
 from .features import extract_features, target_view
-from .loop import RunState, TrainResult, fit, make_accelerator
+from .loop import RunState, TrainResult, fit, make_accelerator, run_hardware
 from .split import frequent_vocab, split_eval, to_sequences
 from .tasks.draft import SAVE_DTYPES, DraftTask, make_student
 
@@ -130,9 +130,11 @@ def train_draft(
     task = DraftTask(config, target=target, device=device, layers=layers, base_model=name, base_fingerprint=fingerprint,
                      vocab=vocab, tokenizer=tokenizer)
 
+    hardware = run_hardware(accelerator)
+
     def record(state: RunState, wall: float) -> dict:
         return {"data": data_dir, "rows": data_rows, "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
-                "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config)}
+                "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config), "hardware": hardware}
 
     return fit(task, student, params, accelerator=accelerator, config=config, seqs=seqs, train_idx=train_idx,
                eval_idx=eval_idx, features=features, saved=saved, record=record, fingerprint=fingerprint, vocab=vocab,

@@ -164,6 +164,15 @@ def optimizer_loop(
     return TrainResult(out=str(out), step=state.step, tokens_seen=state.tokens_seen, wall_s=wall(), evals=state.evals)
 
 
+def run_hardware(accelerator) -> str:
+    """What a run trains on, as its provenance records it (model cards print it): the device's name,
+    with the process count when several train together."""
+    from ..card import this_hardware
+
+    name = this_hardware(accelerator.device)
+    return name if accelerator.num_processes == 1 else f"{accelerator.num_processes} x {name}"
+
+
 MIXED_PRECISION = ("auto", "no", "bf16")
 
 

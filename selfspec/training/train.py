@@ -35,7 +35,7 @@ from .checkpoint import STATE_FILE, check_resumable
 from .cli_args import check_training_config, flag_type, run_module
 from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, default_exit_layer
 from .features import extract_features, target_view
-from .loop import RunState, TrainResult, fit, make_accelerator, resolve_mixed_precision
+from .loop import RunState, TrainResult, fit, make_accelerator, resolve_mixed_precision, run_hardware
 from .split import encode_rows, frequent_vocab, split_eval, to_sequences, warm_split
 from .tasks import HEAD_TASKS
 from .warm_start import check_init_shape, load_grown, load_init
@@ -198,15 +198,17 @@ def train_heads(
                                     progress=progress and accelerator.is_main_process)
     task = HEAD_TASKS[config.kind](config, target=target, device=device, lora=lora, heads=heads)
 
+    hardware = run_hardware(accelerator)
+
     def record(state: RunState, wall: float) -> dict:
         prov = {
             "data": data_dir, "rows": data_rows, "sequences": len(seqs), "steps": state.step, "tokens_seen": state.tokens_seen, "wall_s": round(wall, 1),
-            "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config),
+            "eval": asdict(state.evals[-1]) if state.evals else None, "train_config": asdict(config), "hardware": hardware,
         }
         if init is not None:  # not the seeded split: record it for tune-tree and eval-heads; and the init's run
             prov["held_out_rows"] = encode_rows(eval_idx)
             prov["init"] = {"path": str(config.init), **{
-                k: init.config.provenance.get(k) for k in ("data", "rows", "steps", "tokens_seen", "wall_s", "eval", "init")}}
+                k: init.config.provenance.get(k) for k in ("data", "rows", "steps", "tokens_seen", "wall_s", "hardware", "eval", "init")}}
         return prov
 
     try:
