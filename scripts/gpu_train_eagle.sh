@@ -85,7 +85,7 @@ START=(--lr 5e-4 --warmup 50)
 [ -n "$INIT" ] && START=(--init "$INIT" --lr 3e-4 --warmup 20)
 # shellcheck disable=SC2206
 COMMON=(--model "$MODEL" --kind eagle "${START[@]}" --data "$ALL" --loss-rows response --aux-layers 2,15,27
-        --ttt-steps 4 --max-len 512 --batch-size "$BATCH" --draft-vocab-size 8192
+        --ttt-steps 4 --max-len 512 --batch-size "$BATCH" --draft-vocab-size 8192 --group-by-length true
         --eval-fraction 0.004 --device "$DEVICE" --no-progress ${TRAIN_ARGS:-})
 echo "== timing run: 10 steps ($(date -u +%H:%M:%S))"
 t0=$(now)
