@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 STATE_FILE = "trainer_state.pt"   # as training/checkpoint.py writes it (that module imports torch)
+GROUP_BY_LENGTH_HELP = ("micro-batches of sequences of similar lengths: less padding (2.8x eagle throughput on a CPU), but "
+                        "some batches hold only long sequences, so peak memory is that of batch-size sequences of --max-len "
+                        "(true | false)")
 
 
 def flag_type(typ: type) -> Callable[[str], object]:

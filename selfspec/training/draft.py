@@ -36,7 +36,7 @@ from ..io import remove_stale_temporaries
 from ..backbone import config_fingerprint
 from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
 from .checkpoint import STATE_FILE, check_resumable
-from .cli_args import at_least, check_training_config, flag_type, run_module
+from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
 from ..settings import default_exit_layer
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, run_hardware
@@ -160,7 +160,7 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     src.add_argument("--data", default=None, help="self-distillation data directory (from `selfspec gen-data`); several: comma-separated; DIR@N: its first N rows")
     src.add_argument("--prompts", default=None, help="prompt file: generate the data into <out>/data first (resumable)")
     helps = {"draft_vocab_size": "vocabulary the loss is computed on; 0 = full", "save_dtype": "float16 | bfloat16",
-             "group_by_length": "micro-batches of sequences of similar lengths: less padding (2.8x eagle throughput on a CPU), but some batches hold only long sequences, so peak memory is that of batch-size sequences of --max-len (true | false)"}
+             "group_by_length": GROUP_BY_LENGTH_HELP}
     for f in dataclasses.fields(DraftConfig):
         default = f.default
         parser.add_argument("--" + f.name.replace("_", "-"), type=flag_type(type(default)), default=default,

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..backbone import Backbone
 from .checkpoint import atomic_torch_save
-from .split import Sequence, collate
+from .split import Sequence, collate, length_batches
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,7 @@ def extract_features(model, seqs: list[Sequence], *, exit_layer: int, batch_size
                 continue
             f_chunk: list = [None] * len(chunk)
             e_chunk: list = [None] * len(chunk)
-            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i].ids))
-            for lo in range(0, len(order), batch_size):
-                idx = order[lo : lo + batch_size]
+            for idx in length_batches(chunk, batch_size):
                 b = collate([chunk[i] for i in idx], lead=0)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
                     out = inner(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device),

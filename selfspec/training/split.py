@@ -177,6 +177,13 @@ def epoch_order(n: int, *, epoch: int, seed: int, batch_size: int, lengths: tupl
     return tuple(i for b in shuffle.tolist() for i in batches[b])
 
 
+def length_batches(seqs: list[Sequence], batch_size: int) -> list[list[int]]:
+    """Indices of ``seqs`` in batches of ``batch_size`` by increasing length, for passes whose results do
+    not depend on batching (held-out scores, the feature cache): a batch pads to its longest."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    return [order[lo:lo + batch_size] for lo in range(0, len(order), batch_size)]
+
+
 def batch_indices(n: int, *, micro_step: int, batch_size: int, seed: int,
                   lengths: tuple[int, ...] | None = None) -> list[int]:
     """Indices for global micro-batch ``micro_step``: consecutive slices of per-epoch orders

@@ -32,7 +32,7 @@ import torch
 from ..io import remove_stale_temporaries
 from ..heads import KINDS
 from .checkpoint import STATE_FILE, check_resumable
-from .cli_args import check_training_config, flag_type, run_module
+from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
 from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, default_exit_layer
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, resolve_mixed_precision, run_hardware
@@ -277,7 +277,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              "token_input": "medusa: heads also read the root token's embedding (true | false)",
              "head_mlp": "medusa: comma-separated widths of an extra residual MLP per head (e.g. 1024,1024: heads 1 and 2; empty: none)",
              "mixed_precision": "auto (bf16 on CUDA, none on CPU) | no | bf16 (bf16 on a CPU with AVX512-BF16 or AMX: ~1.7x faster eagle steps here)",
-             "group_by_length": "micro-batches of sequences of similar lengths: less padding (2.8x eagle throughput on a CPU), but some batches hold only long sequences, so peak memory is that of batch-size sequences of --max-len (true | false)",
+             "group_by_length": GROUP_BY_LENGTH_HELP,
              "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)

@@ -31,7 +31,7 @@ from ...drafters.draft_model import truncated_copy
 from ..features import FeatureCache, Target
 from ..loop import EvalResult
 from ..losses import HeadLoss, exit_loss
-from ..split import Batch, Sequence, collate
+from ..split import Batch, Sequence, collate, length_batches
 from .base import Task
 
 if TYPE_CHECKING:
@@ -93,9 +93,7 @@ def evaluate_draft(student, target: Target, seqs: list[Sequence], *, batch_size:
     was_training = student.training
     student.eval()
     kl_sum, top1, top5, count = 0.0, 0.0, 0.0, 0.0
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))   # batches of similar lengths pad less
-    for lo in range(0, len(seqs), batch_size):
-        part = order[lo : lo + batch_size]
+    for part in length_batches(seqs, batch_size):
         final = None if features is None else features.gather([feature_ids[i] for i in part], device=device)[0]
         with autocast():
             r = draft_loss(student, target, collate([seqs[i] for i in part], lead=0), device=device, final=final)

@@ -32,7 +32,7 @@ from ..checkpoint import atomic_save_adapter
 from ..features import FeatureCache, Target
 from ..loop import EvalResult
 from ..losses import HeadLoss
-from ..split import Batch, Sequence, collate
+from ..split import Batch, Sequence, collate, length_batches
 from .base import Task
 
 if TYPE_CHECKING:
@@ -134,10 +134,7 @@ class HeadsTask(Task):
         module.eval()
         size = self.config.batch_size
         terms, correct1, correct5, count = 0.0, 0.0, 0.0, 0.0
-        # Batches of similar lengths pad less; the sums below do not depend on how rows are batched.
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-        for lo in range(0, len(seqs), size):
-            part = order[lo : lo + size]
+        for part in length_batches(seqs, size):   # the sums below do not depend on how rows are batched
             with autocast():
                 feats = None if features is None else features.gather([feature_ids[i] for i in part], device=self.device)
                 r = self.loss(module, collate([seqs[i] for i in part], lead=self.lead), features=feats)
