@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from selfspec.training.data import (
     add_data_args,
+    compact_data,
     cut_after_eos,
     generate_distillation_data,
     load_distillation_data,
@@ -436,3 +437,20 @@ def test_ids_stored_as_uint16_load_as_int32_beside_older_int32_directories(tmp_p
     assert not list(tmp_path.rglob("cache-*.arrow"))          # reading never writes into a data directory
     by_id = dict(zip(new["id"], new["input_ids"]))
     assert [by_id[i] for i in both["id"]] == list(both["input_ids"])   # same model, same prompts: the same rows
+
+    # Compaction rewrites it as uint16: the same rows in the same order.
+    # A shard that a killed compaction left moved aside is put back first.
+    rows_before = load_distillation_data(old)
+    first = sorted(old.glob("shard-*"))[0]
+    aside = old / f".tmp-old-{first.name}-x"
+    aside.mkdir()
+    first.rename(aside / first.name)
+    n, _, _ = compact_data(old)
+    assert n == len(list(old.glob("shard-*"))) and not list(old.glob(".tmp-*"))
+    assert read_meta(old)["token_dtype"] == "uint16"
+    for p in old.glob("shard-*"):
+        assert datasets.load_from_disk(str(p)).features["input_ids"].feature.dtype == "uint16"
+    after = load_distillation_data(old)
+    assert list(after["id"]) == list(rows_before["id"]) and list(after["input_ids"]) == list(rows_before["input_ids"])
+    assert compact_data(old)[0] == 0                                  # nothing left to do
+    assert compact_data(tmp_path / "new")[0] == 0

@@ -540,6 +540,43 @@ def _check_or_write_meta(out_dir: Path, meta: dict) -> None:
     atomic_write_text(path, json.dumps(meta, indent=2) + "\n")
 
 
+def compact_data(out_dir) -> tuple[int, int, int]:
+    """Rewrite an int32 data directory (older gen-data output) with uint16 token ids where the
+    vocabulary fits: the same rows in the same order at about half the size. Returns (shards
+    rewritten, bytes before, bytes after); a uint16 directory, or a vocabulary over 65,536, is left as it is.
+
+    Each shard is replaced whole (:func:`~selfspec.io.atomic_dir`), its ids checked equal first, and
+    ``meta.json`` changes last, so a killed run leaves a directory that loads the same (shards of
+    both layouts load as int32) and a rerun finishes the job. A shard caught between its two renames
+    is put back before anything else."""
+    out_dir = Path(out_dir)
+    meta = read_meta(out_dir)
+    size = lambda: sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())  # noqa: E731
+    before = size()
+    if meta.get("token_dtype", "int32") != "int32" or token_dtype(int(meta["vocab_size"])) != "uint16":
+        return 0, before, before
+    rewritten = 0
+    with _exclusive(out_dir):
+        for aside in out_dir.glob(f"{TMP_PREFIX}old-{SHARD_PREFIX}*"):   # atomic_dir moved a shard aside, then died
+            for shard in aside.iterdir():
+                if shard.name.startswith(SHARD_PREFIX) and not (out_dir / shard.name).exists():
+                    os.rename(shard, out_dir / shard.name)
+        remove_stale_temporaries(out_dir)
+        for path in _finished_shards(out_dir):
+            ds = datasets.load_from_disk(str(path))
+            if ds.features == _features("uint16"):
+                continue
+            with _datasets_progress_bars_off():
+                small = ds.cast(_features("uint16"), keep_in_memory=True)
+                if small.cast(_features(), keep_in_memory=True)["input_ids"] != ds.cast(_features(), keep_in_memory=True)["input_ids"]:
+                    raise ValueError(f"{path} holds token ids that uint16 cannot store: it was left as it is")
+                with atomic_dir(path, prefix=TMP_PREFIX) as tmp:
+                    small.save_to_disk(str(tmp))
+            rewritten += 1
+        atomic_write_text(out_dir / META_FILE, json.dumps({**meta, "token_dtype": "uint16"}, indent=2) + "\n")
+    return rewritten, before, size()
+
+
 @contextlib.contextmanager
 def _exclusive(out_dir: Path):
     """Hold an advisory lock on the directory itself (no lock file to leave behind)."""
