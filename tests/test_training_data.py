@@ -408,6 +408,26 @@ def test_references_are_stored_as_answers_without_generating(tmp_path, monkeypat
         generate_distillation_data(make_model(), tokenizer, rows, tmp_path / "tf", max_new_tokens=8, progress=False)
 
 
+def test_gen_data_skips_prompts_other_directories_store(tmp_path, capsys):
+    """--skip-stored answers only the prompts no listed directory has; a directory that is not gen-data
+    output is refused before the model loads."""
+    from selfspec.training.data import main
+
+    model_dir = tmp_path / "tiny"
+    make_model().save_pretrained(model_dir)
+    make_tokenizer(chat=True).save_pretrained(model_dir)
+    file = write_jsonl(tmp_path / "p.jsonl", prompts(5))
+    common = ["--model", str(model_dir), "--prompts", str(file), "--max-new-tokens", "3", "--batch-size", "2", "--no-progress"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--max-prompts", "2"]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--skip-stored", str(tmp_path / "a")]) == 0
+    assert sorted(load_distillation_data(tmp_path / "b")["id"]) == ["p2", "p3", "p4"]
+    assert main(common + ["--out", str(tmp_path / "c"), "--skip-stored", f"{tmp_path / 'a'},{tmp_path / 'b'}"]) == 2
+    assert "already stored" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    (tmp_path / "junk").mkdir()
+    assert main(common + ["--out", str(tmp_path / "d"), "--skip-stored", str(tmp_path / "junk")]) == 2
+    assert "not distillation data" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
 def test_ids_stored_as_uint16_load_as_int32_beside_older_int32_directories(tmp_path):
     """A vocabulary under 65,536 is stored at half the size; an old int32 directory keeps its layout
     when it grows, and both load together as int32 with the same ids."""

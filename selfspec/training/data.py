@@ -508,6 +508,13 @@ def _finished_shards(out_dir: Path) -> list[Path]:
     return sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name.startswith(SHARD_PREFIX))
 
 
+def stored_ids(spec) -> set[str]:
+    """The prompt ids stored in the data directories of ``spec`` (comma-separated; ValueError if one is
+    not gen-data output)."""
+    read_meta(spec)
+    return set().union(*(_stored_ids(_finished_shards(d)) for d in data_dirs(spec)))
+
+
 def _stored_ids(shards: list[Path]) -> set[str]:
     ids = set()
     for p in shards:
@@ -627,6 +634,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--references", action="store_true",
                         help="teacher forcing: store each prompt's \"reference\" answer instead of generating one "
                              "(rows without a reference are left out); training runs the target over it")
+    parser.add_argument("--skip-stored", default=None, metavar="DIRS",
+                        help="comma-separated gen-data directories: leave out the prompts whose ids any of them "
+                             "already stores (to answer prompts no other directory has)")
     parser.add_argument("--static-cache", action="store_true",
                         help="run every batch at one shape (--batch-size rows, prompts padded to --max-prompt-tokens) "
                              "on a preallocated KV cache, which transformers compiles once on a GPU (CUDA graphs)")
@@ -677,6 +687,11 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
     prompts = select_prompts(prompts, sources=args.sources, samples=args.samples)
     if not prompts:
         raise ValueError(f"{args.prompts} holds no prompts: give a JSONL file with one {{\"prompt\": ...}} per line")
+    if args.skip_stored:
+        elsewhere = stored_ids(args.skip_stored)
+        prompts = [row for row in prompts if str(row["id"]) not in elsewhere]
+        if not prompts:
+            raise ValueError(f"every prompt of {args.prompts} is already stored in {args.skip_stored}: nothing to answer")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     out_dir = Path(args.out)
     before = _stored_ids(_finished_shards(out_dir)) if out_dir.is_dir() else set()
