@@ -88,6 +88,9 @@ DATA_NOTES = {
                                "writing, adversarial requests; `scripts/gen_broad_self.sh`)",
     "smollm2-135m-broad-gpu": "greedy answers (up to 160 tokens, bfloat16, on a GPU) to the next prompts of that "
                               "shuffled broad set (`scripts/gpu_train_eagle.sh`, its first stage)",
+    "smollm2-135m-broad-cpu": "greedy answers (up to 160 tokens, bfloat16, on a CPU) to the prompts among the first "
+                              "15,088 of that shuffled broad set that the two directories above do not answer "
+                              "(`selfspec gen-data --skip-stored`)",
 }
 
 
