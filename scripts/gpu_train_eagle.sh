@@ -13,7 +13,8 @@
 #   --prompts FILE       JSONL prompts to answer (id, prompt): e.g. the broad set, shuffled once
 #   --out DIR            DIR/data: the new answers; DIR/heads: the trained head (DIR/cal: the timing run)
 #   --data LIST          more gen-data directories to train on (comma list; DIR@N takes its first N rows);
-#                        default: the committed self-distillation data of the demo model
+#                        default: the committed self-distillation data of the demo model. Prompts that any of
+#                        them already answers are not answered again (gen-data --skip-stored)
 #   --init DIR           heads to warm-start from (default: none, from scratch; a warm start needs the data the
 #                        init was trained on, to keep its held-out split held out)
 #   --gen-static         answer with `gen-data --static-cache` (one shape for every batch, compiled once by
@@ -26,7 +27,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PROMPTS="" OUT="" GEN_S=150 TRAIN_S=200 INIT="" BATCH=32 GEN_BATCH=384 DEVICE=cuda STATIC=()
-DATA=training/data/smollm2-135m-greedy,training/data/smollm2-135m-t0.7,training/data/smollm2-135m-self-instruct,training/data/smollm2-135m-broad-self
+D=training/data/smollm2-135m
+DATA=$D-greedy,$D-t0.7,$D-self-instruct,$D-broad-self,$D-broad-gpu,$D-broad-cpu
 while [ $# -gt 0 ]; do
     case "$1" in
         --prompts) PROMPTS="$2"; shift 2 ;;
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
         --gen-batch) GEN_BATCH="$2"; shift 2 ;;
         --gen-static) STATIC=(--static-cache); shift ;;
         --device) DEVICE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "gpu_train_eagle: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -69,7 +71,7 @@ for ((n = CHUNK; ; n += CHUNK)); do
     rc=0
     timeout -s INT "$left" "$PY" -m selfspec gen-data --model "$MODEL" --prompts "$PROMPTS" --out "$OUT/data" \
         --max-prompts "$n" --max-new-tokens 160 --max-prompt-tokens 384 --batch-size "$GEN_BATCH" --shard-size 1 \
-        --dtype bfloat16 --device "$DEVICE" --no-progress "${STATIC[@]}" || rc=$?
+        --dtype bfloat16 --device "$DEVICE" --skip-stored "$DATA" --no-progress "${STATIC[@]}" || rc=$?
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "${#STATIC[@]}" -gt 0 ]; then
         echo "== gen-data --static-cache failed (exit $rc): answering the rest without it"
         STATIC=()

@@ -409,8 +409,8 @@ def test_references_are_stored_as_answers_without_generating(tmp_path, monkeypat
 
 
 def test_gen_data_skips_prompts_other_directories_store(tmp_path, capsys):
-    """--skip-stored answers only the prompts no listed directory has; a directory that is not gen-data
-    output is refused before the model loads."""
+    """--skip-stored answers only the prompts no listed directory has (none left: nothing to do); a
+    directory that is not gen-data output is refused before the model loads."""
     from selfspec.training.data import main
 
     model_dir = tmp_path / "tiny"
@@ -421,8 +421,10 @@ def test_gen_data_skips_prompts_other_directories_store(tmp_path, capsys):
     assert main(common + ["--out", str(tmp_path / "a"), "--max-prompts", "2"]) == 0
     assert main(common + ["--out", str(tmp_path / "b"), "--skip-stored", str(tmp_path / "a")]) == 0
     assert sorted(load_distillation_data(tmp_path / "b")["id"]) == ["p2", "p3", "p4"]
-    assert main(common + ["--out", str(tmp_path / "c"), "--skip-stored", f"{tmp_path / 'a'},{tmp_path / 'b'}"]) == 2
-    assert "already stored" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    capsys.readouterr()
+    # Nothing left to answer: done at once, like a finished run resumed, and nothing written.
+    assert main(common + ["--out", str(tmp_path / "c"), "--skip-stored", f"{tmp_path / 'a'},{tmp_path / 'b'}"]) == 0
+    assert "(0 generated, 5 already stored)" in capsys.readouterr().out and not (tmp_path / "c").exists()
     (tmp_path / "junk").mkdir()
     assert main(common + ["--out", str(tmp_path / "d"), "--skip-stored", str(tmp_path / "junk")]) == 2
     assert "not distillation data" in capsys.readouterr().err and not (tmp_path / "d").exists()

@@ -689,9 +689,15 @@ def run_from_args(args: argparse.Namespace) -> GenerationSummary:
         raise ValueError(f"{args.prompts} holds no prompts: give a JSONL file with one {{\"prompt\": ...}} per line")
     if args.skip_stored:
         elsewhere = stored_ids(args.skip_stored)
-        prompts = [row for row in prompts if str(row["id"]) not in elsewhere]
-        if not prompts:
-            raise ValueError(f"every prompt of {args.prompts} is already stored in {args.skip_stored}: nothing to answer")
+        kept = [row for row in prompts if str(row["id"]) not in elsewhere]
+        if not kept:   # like a finished run resumed: nothing to do, and no model to load
+            out_dir = Path(args.out)
+            rows = len(load_distillation_data(out_dir)) if (out_dir / META_FILE).is_file() else 0
+            summary = GenerationSummary(prompts=len(prompts), generated=0, skipped=len(prompts), response_tokens=0,
+                                        wall_s=0.0, rows=rows, out=str(out_dir))
+            print(summary.line(), flush=True)
+            return summary
+        prompts = kept
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     out_dir = Path(args.out)
     before = _stored_ids(_finished_shards(out_dir)) if out_dir.is_dir() else set()
