@@ -132,6 +132,7 @@ CASES = [
     ("gen-data-batch-size-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --batch-size 0"),
     ("gen-data-non-json-line", "gen-data --model {d}/tiny --prompts {d}/notjson.jsonl --out {o}"),
     ("gen-data-non-empty-out", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {d}/full"),
+    ("gen-data-skip-stored-not-gen-data", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --skip-stored {d}/nodata"),
     # build-corpus
     ("build-corpus-not-gen-data", "build-corpus --model {d}/tiny --data {d}/nodata --out {o}"),
     ("build-corpus-non-empty-out", "build-corpus --model {d}/tiny --data {d}/data --out {d}/full"),

@@ -560,6 +560,9 @@ def compact_data(out_dir) -> tuple[int, int, int]:
     meta = read_meta(out_dir)
     size = lambda: sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())  # noqa: E731
     before = size()
+    if meta.get("vocab_size") is None:
+        raise ValueError(f"{out_dir}/{META_FILE} does not record the vocabulary size, so the ids may not fit uint16: "
+                         "it was left as it is")
     if meta.get("token_dtype", "int32") != "int32" or token_dtype(int(meta["vocab_size"])) != "uint16":
         return 0, before, before
     rewritten = 0
@@ -575,7 +578,7 @@ def compact_data(out_dir) -> tuple[int, int, int]:
                 continue
             with _datasets_progress_bars_off():
                 small = ds.cast(_features("uint16"), keep_in_memory=True)
-                if small.cast(_features(), keep_in_memory=True)["input_ids"] != ds.cast(_features(), keep_in_memory=True)["input_ids"]:
+                if small["input_ids"] != ds["input_ids"]:   # lists of Python ints: equal whatever the stored width
                     raise ValueError(f"{path} holds token ids that uint16 cannot store: it was left as it is")
                 with atomic_dir(path, prefix=TMP_PREFIX) as tmp:
                     small.save_to_disk(str(tmp))
