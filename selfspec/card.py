@@ -225,7 +225,8 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
                   "are grafted on (greedy); verified/step counts the nodes verified."
                   + (f" A second round timed again the fastest candidates (at most {ts['finalists']}, those within "
-                     f"twice the tolerance of the best) on {ts['n_prompts']} other prompts of the file; their numbers pool both "
+                     f"twice the tolerance of the best{', of those with the lookup and of those without' if decode.without_lookup else ''}) "
+                     f"on {ts['n_prompts']} other prompts of the file; their numbers pool both "
                      "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
                   + (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
                      "verifies the fewest nodes per step." if ts.get("tolerance") is not None else ""), "",
@@ -243,6 +244,11 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
         lines.append("")
         lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
                      f"threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}.")
+        off = decode.without_lookup
+        if off is not None:
+            lines.append(f"With the lookup off (`lookup=0`, the bench's `-heads` methods), \"auto\" is the pick among "
+                         f"the candidates without it: `{off.tree if isinstance(off.tree, str) else [tuple(p) for p in off.tree]}`, "
+                         f"threshold {off.threshold:g}, gate {off.gate:g}.")
         lines.append("")
     elif decode.tree is not None:
         lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",

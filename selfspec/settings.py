@@ -66,27 +66,52 @@ AUTO = ("auto", None)
 @dataclass(frozen=True)
 class DecodeSettings:
     """The ``decode`` section of a heads directory's ``config.json``: per-step settings measured
-    fastest for these heads by ``selfspec tune-tree`` (all off until it has run)."""
+    fastest for these heads by ``selfspec tune-tree`` (all off until it has run).
+
+    ``without_lookup``: where the pick copies from the context (lookup > 0), the tree, threshold and
+    gate measured fastest with the lookup off, which a user who turns it off (``lookup=0``) gets: a
+    tree cut for use beside the lookup's copies leaves the heads alone with about one node a step."""
 
     tree: str | list | None = None    # a tree spec ("chain-3", "dynamic-4-2-4", a list of paths); None: the drafter's default
     threshold: float = 0.0
     gate: float = 0.0
     lookup: int = 0
+    without_lookup: "DecodeSettings | None" = None
 
     @classmethod
-    def from_json(cls, raw) -> "DecodeSettings":
+    def from_json(cls, raw, *, nested: bool = False) -> "DecodeSettings":
         if raw is None:
             return cls()
-        if not isinstance(raw, dict) or set(raw) - set(cls.__dataclass_fields__):
-            raise ValueError(f"its decode section must be a mapping of {', '.join(cls.__dataclass_fields__)}")
+        fields = set(cls.__dataclass_fields__) - ({"without_lookup"} if nested else set())
+        where = "its decode section's without_lookup" if nested else "its decode section"
+        if not isinstance(raw, dict) or set(raw) - fields:
+            raise ValueError(f"{where} must be a mapping of {', '.join(sorted(fields))}")
         tree = raw.get("tree")
         if tree is not None and not isinstance(tree, (str, list)):
-            raise ValueError(f"its decode tree must be a tree spec or a list of paths (got {tree!r})")
+            raise ValueError(f"{where}'s tree must be a tree spec or a list of paths (got {tree!r})")
+        lookup = _checked(raw.get("lookup", 0), "lookup", int)
+        if nested and lookup != 0:
+            raise ValueError(f"{where} holds the settings with the lookup off: its lookup must be 0 (got {lookup})")
+        without = raw.get("without_lookup")
         return cls(tree=tree, threshold=_checked(raw.get("threshold", 0.0), "threshold", float),
-                   gate=_checked(raw.get("gate", 0.0), "gate", float), lookup=_checked(raw.get("lookup", 0), "lookup", int))
+                   gate=_checked(raw.get("gate", 0.0), "gate", float), lookup=lookup,
+                   without_lookup=None if without is None else cls.from_json(without, nested=True))
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.without_lookup is None:
+            out.pop("without_lookup")
+        else:
+            out["without_lookup"].pop("without_lookup")
+        return out
+
+    def for_lookup(self, lookup) -> "DecodeSettings":
+        """The settings "auto" reads when the user gives ``lookup``: ``without_lookup`` where they turn
+        off the lookup the pick uses (and tune-tree timed it off), else these."""
+        if self.without_lookup is not None and self.lookup > 0 and lookup not in AUTO and \
+                _checked(lookup, "lookup", int) == 0:
+            return self.without_lookup
+        return self
 
 
 @dataclass(frozen=True)
@@ -180,8 +205,9 @@ def check_settings(drafter: str, *, tree="auto", threshold="auto", gate="auto", 
 def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree="auto", threshold="auto",
                      gate="auto", lookup="auto") -> DrafterSettings:
     """The settings a drafter runs with: each given value, else ("auto") the heads' tuned ``decode``
-    value (``decode``: None for drafters without heads), else the drafter's default. Values are
-    checked as in :func:`check_settings`."""
+    value (``decode``: None for drafters without heads; with ``lookup=0``, its ``without_lookup``
+    settings where it has them), else the drafter's default. Values are checked as in
+    :func:`check_settings`."""
     check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
     declared = DRAFTER_SETTINGS[drafter]
 
@@ -192,6 +218,7 @@ def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree
             return _checked(value, key, kind)
         return kind(getattr(decode, key)) if decode is not None else getattr(declared, key)
 
+    decode = decode.for_lookup(lookup) if decode is not None else None
     tuned_tree = decode.tree if decode is not None else None
     return DrafterSettings(
         tree=None if declared.tree is None else (tree if tree not in AUTO else (tuned_tree or declared.tree)),

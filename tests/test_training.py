@@ -328,6 +328,37 @@ def test_pick_prefers_the_cheapest_candidate_within_the_timing_tolerance():
     assert pick([fin_big, fin_small, replace(tiny, runs=12, speedup=1.50)], tolerance=0.05) is fin_big
 
 
+def test_the_lookup_off_pick_is_kept_apart_and_used_only_when_the_user_turns_the_lookup_off():
+    from selfspec.settings import resolve_settings
+    from selfspec.training.tune import Candidate, pick_settings
+
+    def c(name, speedup, rows, lookup, runs=12):
+        return Candidate(spec=name, size=int(rows), tokens_per_s=10 * speedup, tau=1.5, nodes_per_step=rows,
+                         speedup=speedup, lookup=lookup, runs=runs)
+
+    copy, wide, narrow = c("copy", 1.5, 3.0, 8, runs=24), c("wide", 1.3, 8.0, 0, runs=24), c("narrow", 1.1, 1.0, 0)
+    best, off = pick_settings([copy, wide, narrow], tolerance=0.03)
+    assert best is copy and off is wide          # each group's own finalists compete within it
+    assert pick_settings([wide, narrow]) == (wide, None)   # the pick does not copy: nothing apart to keep
+    assert pick_settings([copy]) == (copy, None)           # nothing without the lookup was timed
+    # In a config: only "lookup=0" (given, not "auto") reads the pick without the lookup; a given tree still wins.
+    decode = DecodeSettings(tree="chain-2", threshold=0.2, gate=0.5, lookup=8,
+                            without_lookup=DecodeSettings(tree="chain-4", threshold=0.05))
+    assert DecodeSettings.from_json(decode.to_json()) == decode
+    assert "without_lookup" not in decode.to_json()["without_lookup"] and "without_lookup" not in DecodeSettings().to_json()
+    assert resolve_settings("medusa", decode) == resolve_settings("medusa", decode, lookup=8)
+    assert resolve_settings("medusa", decode).tree == "chain-2"
+    off = resolve_settings("medusa", decode, lookup=0)
+    assert (off.tree, off.threshold, off.gate, off.lookup) == ("chain-4", 0.05, 0.0, 0)
+    assert resolve_settings("medusa", decode, lookup="0", tree="chain-1").tree == "chain-1"
+    assert resolve_settings("medusa", decode, lookup=4).tree == "chain-2"
+    for raw, match in (({"lookup": 8, "without_lookup": {"lookup": 4}}, "its lookup must be 0"),
+                       ({"lookup": 8, "without_lookup": {"without_lookup": {}}}, "must be a mapping"),
+                       ({"lookup": 8, "without_lookup": {"tree": 3}}, "tree must be a tree spec")):
+        with pytest.raises(ValueError, match=match):
+            DecodeSettings.from_json(raw)
+
+
 def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, capsys):
     from selfspec.cli import main
     from selfspec.heads import save_heads
@@ -335,8 +366,8 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
 
     model = tiny_model(seed=2)
     heads = untrained_heads("medusa", model, "tiny", num_heads=2)
-    rows = lambda spec, speedup, n: {"spec": spec, "size": len(spec), "tokens_per_s": speedup, "tau": 1.5,  # noqa: E731
-                                     "threshold": 0.0, "gate": 0.0, "lookup": 8, "nodes_per_step": n, "speedup": speedup}
+    rows = lambda spec, speedup, n, k=8: {"spec": spec, "size": len(spec), "tokens_per_s": speedup, "tau": 1.5,  # noqa: E731
+                                          "threshold": 0.0, "gate": 0.0, "lookup": k, "nodes_per_step": n, "speedup": speedup}
     save_heads(heads, tmp_path / "h")
     # Heads tuned before the decode/provenance split kept everything, timings included, under "extra".
     cfg_path = tmp_path / "h" / "config.json"
@@ -344,14 +375,22 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     for key in ("decode", "provenance"):
         raw.pop(key)
     raw["extra"] = {"steps": 7, "tree_search": {"held_out_prompts": 8, "candidates": [
-        rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0)]}}
+        rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0),
+        rows([[0], [1], [0, 0]], 1.2, 3.0, 0), rows([[0]], 1.1, 1.0, 0)]}}
     cfg_path.write_text(json.dumps(raw))
     before = (tmp_path / "h" / "model.safetensors").read_bytes()
     assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0.05"]) == 0
     fp = config_fingerprint(model.config)
     config = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config
     assert config.decode.tree == [[0], [0, 0]] and config.decode.lookup == 8 and config.provenance == {"steps": 7}
+    assert config.decode.without_lookup == DecodeSettings(tree=[[0], [1], [0, 0]])   # the pick without the lookup
     assert "extra" not in json.loads(cfg_path.read_text())
+    assert json.loads(cfg_path.read_text())["decode"]["without_lookup"] == {"tree": [[0], [1], [0, 0]], "threshold": 0.0,
+                                                                            "gate": 0.0, "lookup": 0}
+    tuned = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp)
+    for lookup, paths in (("auto", ((0,), (0, 0))), (8, ((0,), (0, 0))), (0, ((0,), (1,), (0, 0)))):
+        sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, name="tiny", lookup=lookup)
+        assert sm.drafter.tree.paths == paths and sm.drafter.lookup == (0 if lookup == 0 else 8)
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tolerance"] == 0.05
     assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0"]) == 0
     assert load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.decode.tree[-1] == [0, 0, 0]
@@ -722,8 +761,11 @@ def test_tune_tree_times_eagle_heads_on_given_prompts(tmp_path, capsys):
                                  prompts=prompts, finalists=3)
     assert acc is None and best == pick(cands) and len(cands) == len(EAGLE_GRID)
     # The second round re-timed at most 3 of the fastest on the prompt left over; the pick is one of them.
+    # Those with the lookup and those without are two groups, each with its own finalists.
     finalists = [c for c in cands if c.runs == 3]
-    assert 1 <= len(finalists) <= 3 and best in finalists and all(c.runs in (2, 3) for c in cands)
+    for group in ([c for c in finalists if c.lookup > 0], [c for c in finalists if c.lookup == 0]):
+        assert 1 <= len(group) <= 3
+    assert best in finalists and all(c.runs in (2, 3) for c in cands)
     assert {c.threshold for c in cands} > {0.0} and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
     with pytest.raises(ValueError, match="no prompts"):
         tune_tree(model, heads, [], n_prompts=2, progress=False, prompts=[])

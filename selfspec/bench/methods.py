@@ -60,8 +60,9 @@ def parse_methods(spec: str | None) -> list[str]:
 
 # selfspec's methods: name -> (drafter, the bench flag prefix for its heads and settings, settings the method
 # pins). The flags themselves (--medusa-heads, --medusa-tree, --exit-threshold, ...) are derived from this
-# table and the drafters' declared settings (settings.DRAFTER_SETTINGS). "-heads": the same heads and tree
-# with the lookup off (what the heads draft on their own); "-context": the lookup reads the context
+# table and the drafters' declared settings (settings.DRAFTER_SETTINGS). "-heads": the same heads with
+# the lookup off (what the heads draft on their own; "auto" settings are then those tune-tree picked
+# without the lookup, where it recorded them); "-context": the lookup reads the context
 # only, never the --corpus (what the corpus adds); "-whole": every step verifies each row's whole tree
 # (width fitting off: what budget.py's fitting adds).
 SELFSPEC_METHODS = {

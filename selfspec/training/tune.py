@@ -11,7 +11,9 @@ whose tree the heads expect fewer than ``gate`` tokens accepted from proposes no
 Medusa trees with context lookup (``lookup``: tokens copied from the context grafted on). The
 winner goes into the ``decode`` section of the heads' ``config.json`` (``tree`` / ``threshold`` /
 ``gate`` / ``lookup``, which the "auto" settings use), and every timed candidate into
-``tune-tree.json`` beside it (what ``--recorded`` re-picks from).
+``tune-tree.json`` beside it (what ``--recorded`` re-picks from). Where the winner copies from the
+context, the candidates without the lookup are picked among too (their own finalists), and that
+pick goes into ``decode.without_lookup``: what "auto" gives a user who passes ``lookup=0``.
 
 A separate draft model (``--draft-model``, no heads): time chain lengths, each also cut by the
 draft's own confidence (``DRAFT_GRID``), on ``--prompts``; the winner is recorded for that pair of
@@ -89,7 +91,7 @@ EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-
               ("dynamic-5-3-6", 0.15, 0), ("dynamic-6-4-8", 0.1, 0),
               ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8),
               ("dynamic-4-2-4", 0.2, 8), ("dynamic-5-2-4", 0.3, 8), ("dynamic-5-3-6", 0.25, 8), ("dynamic-6-2-6", 0.4, 8),
-              ("dynamic-6-3-8", 0.3, 0),
+              ("dynamic-6-3-8", 0.3, 0), ("dynamic-8-4-16", 0.05, 0),
               # wide trees with the lookup: where verifying more nodes costs little (GPUs; CPUs with packed products)
               ("dynamic-6-4-12", 0.05, 8), ("dynamic-6-4-12", 0.15, 8), ("dynamic-6-3-8", 0.1, 12), ("dynamic-8-4-16", 0.05, 12))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
@@ -288,22 +290,32 @@ def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first
                     tolerance: float, finalists: int) -> list[Candidate]:
     """Time ``drafters`` (index 0: plain decoding; then one per ``grid`` row) on ``first``, then the
     ``finalists`` fastest of those within twice ``tolerance`` of the best again on ``second`` (with
-    plain decoding, interleaved as before); a finalist's numbers pool both rounds. Returns one
-    ``Candidate`` per grid row."""
+    plain decoding, interleaved as before); a finalist's numbers pool both rounds. Candidates with
+    the lookup and without it are two groups, each with its own finalists (``pick_settings`` picks
+    from each). Returns one ``Candidate`` per grid row."""
     runs, ratios = time_drafters(bb, drafters, first, linears, max_new_tokens=max_new_tokens,
                                  repeats=repeats, progress=progress)
     cands = _candidates(grid, runs, ratios, size)
     if finalists <= 0 or not second:
         return cands
-    top = max(c.speedup for c in cands)
-    near = sorted((i for i, c in enumerate(cands) if c.speedup >= (1 - 2 * tolerance) * top),
-                  key=lambda i: -cands[i].speedup)[:finalists]
+    near = []
+    for group in _lookup_groups(cands):   # finalists with the lookup and without it: each group gets a pick
+        top = max(cands[i].speedup for i in group)
+        near += sorted((i for i in group if cands[i].speedup >= (1 - 2 * tolerance) * top),
+                       key=lambda i: -cands[i].speedup)[:finalists]
     more_runs, more_ratios = time_drafters(bb, [drafters[0]] + [drafters[i + 1] for i in near], second, linears,
                                            max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
     for j, i in enumerate(near, start=1):
         runs[i + 1] += more_runs[j]
         ratios[i + 1] += more_ratios[j]
     return _candidates(grid, runs, ratios, size)
+
+
+def _lookup_groups(cands: list[Candidate]) -> list[list[int]]:
+    """Indices of the candidates that copy from the context (lookup > 0) and of those that do not;
+    empty groups left out."""
+    groups = ([i for i, c in enumerate(cands) if c.lookup > 0], [i for i, c in enumerate(cands) if c.lookup == 0])
+    return [g for g in groups if g]
 
 
 def _candidates(grid: list[tuple], runs: list[list[tuple]], ratios: list[list[float]], size) -> list[Candidate]:
@@ -332,6 +344,14 @@ def pick(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> Candid
     top = max(c.speedup for c in cands)
     close = [c for c in cands if c.speedup >= (1 - tolerance) * top]
     return min(close, key=lambda c: (c.nodes_per_step, -c.speedup))
+
+
+def pick_settings(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> tuple[Candidate, Candidate | None]:
+    """(the pick, the pick with the lookup off): ``pick`` over all candidates, and where that one copies
+    from the context, ``pick`` over those that do not (None when none was timed or the pick does not copy)."""
+    best = pick(cands, tolerance=tolerance)
+    off = [c for c in cands if c.lookup == 0]
+    return best, (pick(off, tolerance=tolerance) if best.lookup > 0 and off else None)
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -422,7 +442,7 @@ def run_tune(args) -> int:
     corpus_dir = (shipped_corpus(args.model) if args.corpus == "auto" else None if args.corpus == "none"
                   else args.corpus) if kind in LOOKUP_DRAFTERS else None
     corpus = None if corpus_dir is None else load_corpus(corpus_dir, fingerprint=config_fingerprint(loaded.model.config))
-    best, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
+    _, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
                                  tolerance=args.tolerance, finalists=args.finalists, prompts=prompts, corpus=corpus)
     _print_candidates(cands)
@@ -434,7 +454,7 @@ def run_tune(args) -> int:
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
-    return _record(args.heads, heads.config, best, {**search, "tolerance": args.tolerance})
+    return _record(args.heads, heads.config, cands, {**search, "tolerance": args.tolerance})
 
 
 def _rounds(args) -> int:
@@ -484,15 +504,20 @@ def _run_tune_pair(args, loaded) -> int:
 SEARCH_FILE = "tune-tree.json"
 
 
-def _record(heads_dir, config, best: Candidate, search: dict) -> int:
-    """The pick into the heads' ``decode`` section (what "auto" reads) and the timings behind it into
-    tune-tree.json; the weights are not rewritten."""
-    config.decode = DecodeSettings(tree=best.spec if isinstance(best.spec, str) else [list(p) for p in best.spec],
-                                   threshold=best.threshold, gate=best.gate, lookup=best.lookup)
+def _settings(c: Candidate, without_lookup: DecodeSettings | None = None) -> DecodeSettings:
+    return DecodeSettings(tree=c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec], threshold=c.threshold,
+                          gate=c.gate, lookup=c.lookup, without_lookup=without_lookup)
+
+
+def _record(heads_dir, config, cands: list[Candidate], search: dict) -> int:
+    """The picks (``pick_settings``) into the heads' ``decode`` section (what "auto" reads) and the timings
+    behind them into tune-tree.json; the weights are not rewritten."""
+    best, off = pick_settings(cands, tolerance=search["tolerance"])
+    config.decode = _settings(best, None if off is None else _settings(off))
     config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
     write_heads_config(heads_dir, asdict(config))
     atomic_write_text(Path(heads_dir) / SEARCH_FILE, json.dumps(search, indent=1))
-    return _report_choice(heads_dir, best)
+    return _report_choice(heads_dir, best, off)
 
 
 def recorded_search(heads_dir) -> dict | None:
@@ -510,10 +535,12 @@ def recorded_search(heads_dir) -> dict | None:
     return read_heads_config(heads_dir).provenance.get("tree_search")
 
 
-def _report_choice(path: str, best: Candidate) -> int:
-    shape = best.spec if isinstance(best.spec, str) else f"{len(best.spec)}-node tree"
-    print(f"tree=auto for {path} is now the {shape}, threshold=auto {best.threshold}, gate=auto {best.gate}, "
+def _report_choice(path: str, best: Candidate, off: Candidate | None = None) -> int:
+    shape = lambda c: c.spec if isinstance(c.spec, str) else f"{len(c.spec)}-node tree"  # noqa: E731
+    print(f"tree=auto for {path} is now the {shape(best)}, threshold=auto {best.threshold}, gate=auto {best.gate}, "
           f"lookup=auto {best.lookup}")
+    if off is not None:
+        print(f"with lookup=0: the {shape(off)}, threshold=auto {off.threshold}, gate=auto {off.gate}")
     return 0
 
 
@@ -523,8 +550,7 @@ def _repick(args) -> int:
     search = recorded_search(args.heads)
     if not search or not search.get("candidates"):
         raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
-    cands = _from_records(search["candidates"])
-    return _record(args.heads, heads, pick(cands, tolerance=args.tolerance), {**search, "tolerance": args.tolerance})
+    return _record(args.heads, heads, _from_records(search["candidates"]), {**search, "tolerance": args.tolerance})
 
 
 def _from_records(rows: list[dict]) -> list[Candidate]:
