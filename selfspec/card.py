@@ -224,9 +224,11 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
                   "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
                   "are grafted on (greedy); verified/step counts the nodes verified."
-                  + (f" A second round timed again the fastest candidates (at most {ts['finalists']}, those within "
-                     f"twice the tolerance of the best{', of those with the lookup and of those without' if decode.without_lookup else ''}) "
-                     f"on {ts['n_prompts']} other prompts of the file; their numbers pool both "
+                  + (" A second round timed again the fastest candidates (" +
+                     (f"at most {ts['finalists']} with the lookup and {ts['finalists']} without, each within twice the "
+                      "tolerance of its group's best" if decode.without_lookup else
+                      f"at most {ts['finalists']}, those within twice the tolerance of the best") +
+                     f") on {ts['n_prompts']} other prompts of the file; their numbers pool both "
                      "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
                   + (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
                      "verifies the fewest nodes per step." if ts.get("tolerance") is not None else ""), "",

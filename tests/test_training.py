@@ -374,7 +374,7 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     raw = json.loads(cfg_path.read_text())
     for key in ("decode", "provenance"):
         raw.pop(key)
-    raw["extra"] = {"steps": 7, "tree_search": {"held_out_prompts": 8, "candidates": [
+    raw["extra"] = {"steps": 7, "tree_search": {"held_out_prompts": 8, "max_new_tokens": 16, "threads": 1, "candidates": [
         rows([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1.39, 10.7), rows([[0], [0, 0]], 1.33, 4.0),
         rows([[0], [1], [0, 0]], 1.2, 3.0, 0), rows([[0]], 1.1, 1.0, 0)]}}
     cfg_path.write_text(json.dumps(raw))
@@ -391,6 +391,10 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     for lookup, paths in (("auto", ((0,), (0, 0))), (8, ((0,), (0, 0))), (0, ((0,), (1,), (0, 0)))):
         sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, name="tiny", lookup=lookup)
         assert sm.drafter.tree.paths == paths and sm.drafter.lookup == (0 if lookup == 0 else 8)
+    from selfspec.card import card
+
+    text = card(tmp_path / "h", None, None, "cpu")   # the model card names both picks
+    assert "lookup 8." in text and "With the lookup off (`lookup=0`" in text and "[(0,), (1,), (0, 0)]" in text
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tolerance"] == 0.05
     assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0"]) == 0
     assert load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.decode.tree[-1] == [0, 0, 0]
