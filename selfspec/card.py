@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .heads import read_heads_config
 from .io import atomic_write_text
+from .settings import SETTING_KEYS
 
 
 def _pct(xs) -> str:
@@ -39,7 +40,8 @@ def _bench_section(bench: dict, method: str) -> list[str]:
             f"(median per prompt {m['speedup_median']:.2f}x)",
             f"- identical to transformers greedy: {m['identical']}"]
     prefix = method.removeprefix("selfspec-") + "_"   # the bench records "eagle_tree", "eagle@DIR_tree", ...
-    used = {k.removeprefix(prefix): v for k, v in (c.get("heads") or {}).items() if k.startswith(prefix)}
+    used = {k.removeprefix(prefix): v for k, v in (c.get("heads") or {}).items()
+            if k.startswith(prefix) and k.removeprefix(prefix) in SETTING_KEYS}   # not "eagle_heads_tree" (another method)
     if used:
         lines.append("- settings used: " + ", ".join(f"{k} {v}" for k, v in used.items()))
     look = bench["methods"].get("selfspec-lookup")
@@ -226,7 +228,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "are grafted on (greedy); verified/step counts the nodes verified."
                   + (" A second round timed again the fastest candidates (" +
                      (f"at most {ts['finalists']} with the lookup and {ts['finalists']} without, each within twice the "
-                      "tolerance of its group's best" if decode.without_lookup else
+                      "tolerance of its group's best" if decode.without_lookup and ts.get("finalists_by_lookup") else
                       f"at most {ts['finalists']}, those within twice the tolerance of the best") +
                      f") on {ts['n_prompts']} other prompts of the file; their numbers pool both "
                      "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")

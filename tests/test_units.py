@@ -286,7 +286,7 @@ def test_model_card_shows_the_settings_of_the_method_it_was_measured_as():
     bench = {"methods": {"selfspec-eagle": method, "selfspec-eagle@h/new": method},
              "config": {"command": "selfspec bench ...", "n_prompts": 2, "prompts": "p.jsonl", "max_new_tokens": 8,
                         "device": "cpu", "threads": 2, "dtype": "float32",
-                        "heads": {"eagle_tree": "dynamic-6-2-6", "eagle_threshold": 0.4,
+                        "heads": {"eagle_tree": "dynamic-6-2-6", "eagle_threshold": 0.4, "eagle_heads_tree": "dynamic-3-2-3",
                                   "eagle@h/new_tree": "dynamic-5-2-4", "eagle@h/new_threshold": 0.3}}}
     [used] = [line for line in _bench_section(bench, "selfspec-eagle@h/new") if "settings used" in line]
     assert used == "- settings used: tree dynamic-5-2-4, threshold 0.3"

@@ -449,6 +449,7 @@ def run_tune(args) -> int:
     timed_on = {"prompts": Path(args.prompts).name, "n_prompts": min(args.prompts_n, len(prompts)), "seed": args.seed} \
         if prompts else {"held_out_prompts": min(args.prompts_n, len(seqs))}
     timed_on["finalists"] = args.finalists
+    timed_on["finalists_by_lookup"] = True   # finalists drawn with and without the lookup apart (time_candidates)
     corpus_note = None if corpus_dir is None else "auto (the shipped corpus)" if args.corpus == "auto" else str(corpus_dir)
     search = {**timed_on, "corpus": corpus_note, "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
