@@ -226,12 +226,8 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
 
 def write_heads_config(directory: str | os.PathLike, config: dict) -> None:
     """Replace ``directory/config.json`` atomically (also how tune-tree re-records a choice)."""
-    decode = config.get("decode")
-    if isinstance(decode, dict):   # ``asdict``'s empty without_lookup fields left out (DecodeSettings.to_json)
-        inner = decode.get("without_lookup")
-        config = {**config, "decode": {k: v for k, v in decode.items() if k != "without_lookup"}}
-        if inner is not None:
-            config["decode"]["without_lookup"] = {k: v for k, v in inner.items() if k != "without_lookup"}
+    if isinstance(config.get("decode"), dict):   # callers pass ``asdict`` of a HeadsConfig
+        config = {**config, "decode": DecodeSettings.json_of(config["decode"])}
     atomic_write_text(Path(directory) / "config.json", json.dumps(config, indent=2))
 
 

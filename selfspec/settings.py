@@ -98,11 +98,14 @@ class DecodeSettings:
                    without_lookup=None if without is None else cls.from_json(without, nested=True))
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        if self.without_lookup is None:
-            out.pop("without_lookup")
-        else:
-            out["without_lookup"].pop("without_lookup")
+        return self.json_of(asdict(self))
+
+    @staticmethod
+    def json_of(raw: dict) -> dict:
+        """``asdict``'s form -> config.json's: an unset ``without_lookup`` left out, and none nested in one."""
+        out = {k: v for k, v in raw.items() if k != "without_lookup"}
+        if raw.get("without_lookup") is not None:
+            out["without_lookup"] = {k: v for k, v in raw["without_lookup"].items() if k != "without_lookup"}
         return out
 
     def for_lookup(self, lookup) -> "DecodeSettings":
