@@ -96,6 +96,18 @@ DATA_NOTES = {
 }
 
 
+def _pick_rule(ts: dict) -> str:
+    """The sentence saying how tune-tree picked among its timed candidates (the rule of the run that wrote ``ts``)."""
+    if ts.get("tolerance") is None:
+        return ""
+    if ts.get("tau_tolerance") is None:   # recorded before the rule preferred the best drafting
+        return (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
+                "verifies the fewest nodes per step.")
+    return (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup (tied), the one with "
+            f"the highest tau, taus within {ts['tau_tolerance']:.0%} of it counting as tied and the one that "
+            "verifies the fewest nodes per step among those winning.")
+
+
 def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
     """One line per data directory: what it holds, rows and response tokens the run used."""
     from .training.data import data_dirs, load_distillation_data
@@ -232,8 +244,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                       f"at most {ts['finalists']}, those within twice the tolerance of the best") +
                      f") on {ts['n_prompts']} other prompts of the file; their numbers pool both "
                      "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
-                  + (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
-                     "verifies the fewest nodes per step." if ts.get("tolerance") is not None else ""), "",
+                  + _pick_rule(ts), "",
                   "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau | runs |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for c in ts["candidates"]:

@@ -499,24 +499,61 @@ def test_eval_heads_scores_an_eagle_head_per_draft_step(one_thread):
     assert [round(a[0], 5) for a in acc] == [round(float(t), 5) for t in r.top1]
 
 
+def _random_ttt_batch(*, seed: int, rows: int, length: int, response_start: int):
+    """A tiny llama target, an untrained eagle head and one batch of random sequences as the loss reads
+    it: (backbone, heads, (ids, am, rows, aux, teacher))."""
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "tiny")
+    g = torch.Generator().manual_seed(seed)
+    seqs = [Sequence(ids=torch.randint(3, 97, (length,), generator=g), response_start=response_start) for _ in range(rows)]
+    ids, am, resp = pad_batch(seqs)
+    aux, teacher = target_pass(bb, ids, am, aux_layers=heads.config.aux_layers, lm_weight=bb.lm_head.weight)
+    return bb, heads, (ids, am, resp, aux, teacher)
+
+
 def test_ttt_loss_runs_under_bf16_autocast_and_agrees_with_float32(one_thread):
     """The loss as mixed-precision training computes it (bf16 autocast: CUDA by default, CPUs with
     --mixed-precision bf16). Masks must fill in the scores' own dtype, not q's."""
     from selfspec.training.tasks.eagle import ttt_loss
 
-    model = tiny_model("llama")
-    bb = Backbone(model)
-    heads = untrained_heads("eagle", model, "tiny")
-    g = torch.Generator().manual_seed(2)
-    seqs = [Sequence(ids=torch.randint(3, 97, (14,), generator=g), response_start=5) for _ in range(3)]
-    ids, am, rows = pad_batch(seqs)
-    aux, teacher = target_pass(bb, ids, am, aux_layers=heads.config.aux_layers, lm_weight=bb.lm_head.weight)
+    bb, heads, (ids, am, rows, aux, teacher) = _random_ttt_batch(seed=2, rows=3, length=14, response_start=5)
     ref = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=3)
     low.loss.backward()
     assert heads.module.fc.weight.grad is not None and torch.isfinite(heads.module.fc.weight.grad).all()
     assert abs(float(low.loss) - float(ref.loss)) < 0.05 * abs(float(ref.loss)) + 1e-3
+
+
+def test_ttt_loss_hard_weight_adds_cross_entropy_on_the_targets_top_token(one_thread):
+    """--hard-weight for eagle: each unrolled step's loss gains hard_weight x the mean cross-entropy of
+    the draft on the teacher's top token (what greedy verification accepts), weighted as its KL is;
+    the KL diagnostics stay KL."""
+    from selfspec.training.tasks.eagle import ttt_loss
+
+    bb, heads, (ids, am, rows, aux, teacher) = _random_ttt_batch(seed=3, rows=2, length=12, response_start=4)
+    with torch.no_grad():
+        soft = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=2, decay=0.5)
+        hard = ttt_loss(heads.module, bb, ids, am, rows, aux=aux, teacher=teacher, steps=2, decay=0.5, hard_weight=2.0)
+        # The cross-entropy by hand: re-run the two steps as ttt_loss does and score the teacher's argmax.
+        feature, past, ce = heads.module.fuse(aux), [], 0.0
+        nxt = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
+        emb = bb.embed_tokens(nxt).float()
+        pos_emb = tuple(t.float() for t in bb.rotary_emb(emb, position_ids=torch.arange(ids.shape[1])[None]))
+        signal = F.pad(rows[:, 1:] & am[:, 1:].bool(), (0, 1))
+        for j in range(2):
+            states, kv = heads.module.ttt_step(feature, emb, position_embeddings=pos_emb, past=past)
+            past.append(kv)
+            valid = signal.clone()
+            valid[:, :j] = False
+            want = teacher[:, 1:][valid[:, :-1]].argmax(-1)
+            log_q = heads.module.logits(states[valid]).float().log_softmax(-1)
+            ce += 0.5 ** j * float(-log_q.gather(1, want[:, None]).mean())
+            feature = F.pad(states, (0, 0, 1, 0))[:, : ids.shape[1]]
+    assert ce > 0
+    assert float(hard.loss) == pytest.approx(float(soft.loss) + 2.0 * ce, rel=1e-5)
+    assert torch.allclose(hard.kl, soft.kl) and torch.equal(hard.top1, soft.top1)
 
 
 def test_warm_start_may_add_or_drop_aux_layers(one_thread):

@@ -310,7 +310,7 @@ def test_tune_tree_picks_a_measured_tree_that_auto_then_uses(tmp_path):
     assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
 
 
-def test_pick_prefers_the_cheapest_candidate_within_the_timing_tolerance():
+def test_pick_prefers_the_best_drafting_then_the_cheapest_candidate_within_the_timing_tolerance():
     from selfspec.training.tune import Candidate, pick
 
     def c(name, speedup, rows):
@@ -326,6 +326,13 @@ def test_pick_prefers_the_cheapest_candidate_within_the_timing_tolerance():
     # After a second round only the finalists (timed on the most runs) compete.
     fin_big, fin_small = replace(big, runs=24, speedup=1.45), replace(small, runs=24, speedup=1.30)
     assert pick([fin_big, fin_small, replace(tiny, runs=12, speedup=1.50)], tolerance=0.05) is fin_big
+    # Of the tied ones, the one that drafts best: the highest tau, taus within TAU_TOLERANCE tied.
+    wide = replace(big, tau=2.4)
+    assert pick([wide, small, tiny], tolerance=0.05) is wide                      # tied in speed, more tokens a step
+    assert pick([wide, small], tolerance=0.0) is wide                             # and the fastest anyway
+    assert pick([replace(big, tau=1.52), small], tolerance=0.05) is small         # 1.5 >= 0.98 * 1.52: tied, the cheaper
+    assert pick([replace(big, tau=1.6), small], tolerance=0.05).spec == "big"     # 1.5 < 0.98 * 1.6: small drafts clearly worse
+    assert pick([replace(big, speedup=1.30, tau=3.0), c("fast", 1.40, 4.0)], tolerance=0.05).spec == "fast"  # speed first
 
 
 def test_the_lookup_off_pick_is_kept_apart_and_used_only_when_the_user_turns_the_lookup_off():
@@ -392,10 +399,17 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
         sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, name="tiny", lookup=lookup)
         assert sm.drafter.tree.paths == paths and sm.drafter.lookup == (0 if lookup == 0 else 8)
     from selfspec.card import card
+    from selfspec.training.tune import TAU_TOLERANCE
 
     text = card(tmp_path / "h", None, None, "cpu")   # the model card names both picks
     assert "lookup 8." in text and "With the lookup off (`lookup=0`" in text and "[(0,), (1,), (0, 0)]" in text
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tolerance"] == 0.05
+    assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tau_tolerance"] == TAU_TOLERANCE
+    assert "the one with the highest tau" in text          # the card states the rule the pick followed
+    record = json.loads((tmp_path / "h" / "tune-tree.json").read_text())
+    (tmp_path / "h" / "tune-tree.json").write_text(json.dumps({k: v for k, v in record.items() if k != "tau_tolerance"}))
+    old_rule = card(tmp_path / "h", None, None, "cpu")     # a record made before that rule: the rule of its day
+    assert "the one that verifies the fewest nodes per step." in old_rule and "highest tau" not in old_rule
     assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0"]) == 0
     assert load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config.decode.tree[-1] == [0, 0, 0]
     assert (tmp_path / "h" / "model.safetensors").read_bytes() == before   # only the choice changes

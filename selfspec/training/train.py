@@ -66,7 +66,7 @@ class TrainConfig:
     group_by_length: bool = False     # micro-batches of similar lengths (split.GROUP_BATCHES): far less padding, more peak memory
     draft_vocab_size: int = 8192      # 0 = the full vocabulary
     head_weight_base: float = 0.8     # medusa: head k's loss is scaled by base**k; eagle: unrolled step k's
-    hard_weight: float = 0.0          # extra cross-entropy on the tokens the target actually produced
+    hard_weight: float = 0.0          # extra cross-entropy on the target's tokens (eagle: its top token)
     eval_fraction: float = 0.05       # held-out share of the sequences
     eval_every: int = 200
     save_every: int = 500
@@ -272,7 +272,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are these flags' names (underscores); flags win")
     helps = {"kind": "medusa | early-exit | eagle", "aux_layers": "eagle: comma-separated target layers whose hidden states feed the head (default: 2, N/2, N-3)",
              "ttt_steps": "eagle: draft steps unrolled per position (training-time test)", "exit_layer": "default: num_layers // 2", "draft_vocab_size": "0 = full vocabulary",
-             "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens",
+             "lora": "Medusa-2: also fine-tune the backbone with LoRA of this rank, distilled to the original (the model's output CHANGES: speculative output then matches the fine-tuned model, not the original)", "hard_weight": "cross-entropy weight on the target's tokens (medusa, early-exit: the tokens that followed; eagle: the target's top token at each row)",
              "init": "warm start: heads directory (same kind and shape) whose weights and draft vocabulary this run starts from, with a fresh optimizer and schedule",
              "token_input": "medusa: heads also read the root token's embedding (true | false)",
              "head_mlp": "medusa: comma-separated widths of an extra residual MLP per head (e.g. 1024,1024: heads 1 and 2; empty: none)",

@@ -71,8 +71,11 @@ TUNE_PROMPTS, TUNE_REPEATS, TUNE_NEW_TOKENS = 12, 1, DEFAULT_MAX_NEW_TOKENS
 # a median over a dozen prompts is coarse (two candidates 3% apart in tokens/s had medians 11% apart:
 # docs/training.md).
 FINALISTS = 6
-# Candidates within this fraction of the best speedup count as tied (``pick``).
+# Candidates within this fraction of the best speedup count as tied (``pick``), and of those, the ones
+# within TAU_TOLERANCE of the best tau (the mean tokens a step, measured over every step of every run,
+# so far less noisy than a median speedup).
 TUNE_TOLERANCE = 0.03
+TAU_TOLERANCE = 0.02
 MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
 # Also timed cut by confidence (all of the above are timed uncut). On the 2-core dev CPU, verifying
@@ -333,17 +336,22 @@ def _candidates(grid: list[tuple], runs: list[list[tuple]], ratios: list[list[fl
 
 def pick(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> Candidate:
     """The candidate to ship: of those timed on the most runs (the finalists, when a second round
-    ran), and of them those within ``tolerance`` of the best median speedup, the one that verifies the
-    fewest rows per step (then the fastest). Prompts on a shared machine time candidates only to
-    within a few percent, so a bigger tree that is not clearly faster loses: each extra verified row
-    is a cost that prompts unlike the tuning ones pay whether or not it is accepted."""
+    ran), and of them those within ``tolerance`` of the best median speedup (tied: prompts on a shared
+    machine time candidates only to within a few percent), the one that drafts best: the highest
+    tau, where taus within ``TAU_TOLERANCE`` of the best count as tied and the one verifying the
+    fewest rows per step wins (then the fastest). Among candidates of one speed here, tau is what
+    carries to other machines: every pass on a GPU costs about the same at batch 1, and where a
+    pass over more rows costs more (batches, slower machines) each step's tree is cut to the width
+    the pass is worth there (``budget.py``), so a wider pick costs little where it does not pay."""
     if not cands:
         raise ValueError("no candidates to pick from")
     most = max(c.runs for c in cands)
     cands = [c for c in cands if c.runs == most]
     top = max(c.speedup for c in cands)
     close = [c for c in cands if c.speedup >= (1 - tolerance) * top]
-    return min(close, key=lambda c: (c.nodes_per_step, -c.speedup))
+    best_tau = max(c.tau for c in close)
+    drafts_best = [c for c in close if c.tau >= (1 - TAU_TOLERANCE) * best_tau]
+    return min(drafts_best, key=lambda c: (c.nodes_per_step, -c.speedup))
 
 
 def pick_settings(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> tuple[Candidate, Candidate | None]:
@@ -376,8 +384,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
     p.add_argument("--tolerance", type=float, default=TUNE_TOLERANCE,
-                   help="candidates within this fraction of the best speedup count as tied; the one verifying "
-                        f"the fewest rows per step wins (default {TUNE_TOLERANCE})")
+                   help="candidates within this fraction of the best speedup count as tied; of them the one with the "
+                        f"highest tau wins (taus within {TAU_TOLERANCE:.0%} tied: the one verifying the fewest rows per "
+                        f"step) (default {TUNE_TOLERANCE})")
     p.add_argument("--finalists", type=int, default=FINALISTS,
                    help=f"re-time this many of the fastest candidates on --prompts-n other prompts and pick among "
                         f"them on both rounds (default {FINALISTS}; 0 = one round)")
@@ -496,7 +505,8 @@ def _run_tune_pair(args, loaded) -> int:
                   "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands]}
     best = pick(cands, tolerance=args.tolerance)
     decode = DecodeSettings(tree=best.spec, threshold=best.threshold)
-    path = write_pair_record(loaded.model, draft, decode, {**search, "tolerance": args.tolerance})
+    path = write_pair_record(loaded.model, draft, decode, {**search, "tolerance": args.tolerance,
+                                                           "tau_tolerance": TAU_TOLERANCE})
     print(f"tree=auto for {args.model} drafted by {args.draft_model} is now {best.spec}, threshold=auto "
           f"{best.threshold} (recorded in {path})")
     return 0
@@ -514,6 +524,7 @@ def _record(heads_dir, config, cands: list[Candidate], search: dict) -> int:
     """The picks (``pick_settings``) into the heads' ``decode`` section (what "auto" reads) and the timings
     behind them into tune-tree.json; the weights are not rewritten."""
     best, off = pick_settings(cands, tolerance=search["tolerance"])
+    search = {**search, "tau_tolerance": TAU_TOLERANCE}   # the rule the pick followed (the card says it)
     config.decode = _settings(best, None if off is None else _settings(off))
     config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
     write_heads_config(heads_dir, asdict(config))

@@ -54,11 +54,12 @@ def target_pass(backbone: Backbone, ids: torch.Tensor, am: torch.Tensor, *, aux_
 
 def ttt_loss(head: EagleHead, backbone: Backbone, ids: torch.Tensor, am: torch.Tensor, rows: torch.Tensor, *,
              aux: torch.Tensor, teacher: torch.Tensor, steps: int = DEFAULT_TTT_STEPS,
-             decay: float = DEFAULT_STEP_DECAY) -> HeadLoss:
+             decay: float = DEFAULT_STEP_DECAY, hard_weight: float = 0.0) -> HeadLoss:
     """The unrolled loss of one batch; per-step diagnostics as ``HeadLoss`` rows (K = steps).
 
     ids, am, rows: (B, L) from ``pad_batch``; aux (B, L, A*H) and teacher (B, L, V_draft) from
-    ``target_pass``."""
+    ``target_pass``. ``hard_weight`` > 0 adds that much cross-entropy on the teacher's top token to each
+    step's KL: greedy verification accepts a draft token only where it is the target's top one."""
     B, L = ids.shape
     dev = ids.device
     feature = head.fuse(aux)                                                   # (B, L, H)
@@ -83,11 +84,12 @@ def ttt_loss(head: EagleHead, backbone: Backbone, ids: torch.Tensor, am: torch.T
                 log_p = teacher[:, 1:][valid[:, :-1]].log_softmax(-1)          # (n, V)
             logits = head.logits(states[valid])                                # (n, V)
             log_q = logits.float().log_softmax(-1)
+            want = log_p.argmax(-1)
             kl_sum = (log_p.exp() * (log_p - log_q)).sum()
-            total = total + decay ** j * kl_sum / n
-            terms.append(decay ** j * kl_sum)
+            step_sum = kl_sum - hard_weight * log_q.gather(1, want[:, None]).sum() if hard_weight > 0 else kl_sum
+            total = total + decay ** j * step_sum / n
+            terms.append(decay ** j * step_sum)
             with torch.no_grad():
-                want = log_p.argmax(-1)
                 top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
                 top1s.append(float((top[:, 0] == want).sum()))
                 top5s.append(float((top == want[:, None]).any(-1).sum()))
@@ -143,4 +145,5 @@ class EagleTask(HeadsTask):
 
     def head_loss(self, module, states: EaglePass) -> HeadLoss:
         return ttt_loss(module, self.target.backbone, states.ids, states.am, states.rows, aux=states.aux,
-                        teacher=states.teacher, steps=self.config.ttt_steps, decay=self.config.head_weight_base)
+                        teacher=states.teacher, steps=self.config.ttt_steps, decay=self.config.head_weight_base,
+                        hard_weight=self.config.hard_weight)
