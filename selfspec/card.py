@@ -103,9 +103,9 @@ def _pick_rule(ts: dict) -> str:
     if ts.get("tau_tolerance") is None:   # recorded before the rule preferred the best drafting
         return (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup, the one that "
                 "verifies the fewest nodes per step.")
-    return (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup (tied), the one with "
-            f"the highest tau, taus within {ts['tau_tolerance']:.0%} of it counting as tied and the one that "
-            "verifies the fewest nodes per step among those winning.")
+    return (f" The pick: of the candidates within {ts['tolerance']:.0%} of the best speedup (tied), the one that "
+            f"drafts best: the highest tau (taus within {ts['tau_tolerance']:.0%} of it count as tied, and of "
+            "those the one verifying the fewest nodes per step wins).")
 
 
 def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:

@@ -405,7 +405,7 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     assert "lookup 8." in text and "With the lookup off (`lookup=0`" in text and "[(0,), (1,), (0, 0)]" in text
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tolerance"] == 0.05
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tau_tolerance"] == TAU_TOLERANCE
-    assert "the one with the highest tau" in text          # the card states the rule the pick followed
+    assert "drafts best: the highest tau" in text          # the card states the rule the pick followed
     record = json.loads((tmp_path / "h" / "tune-tree.json").read_text())
     (tmp_path / "h" / "tune-tree.json").write_text(json.dumps({k: v for k, v in record.items() if k != "tau_tolerance"}))
     old_rule = card(tmp_path / "h", None, None, "cpu")     # a record made before that rule: the rule of its day
