@@ -354,6 +354,11 @@ def pick(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> Candid
     return min(drafts_best, key=lambda c: (c.nodes_per_step, -c.speedup))
 
 
+def _rule(tolerance: float) -> dict:
+    """What a tune-tree record keeps of the rule its pick followed (``pick``; the model card states it)."""
+    return {"tolerance": tolerance, "tau_tolerance": TAU_TOLERANCE}
+
+
 def pick_settings(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> tuple[Candidate, Candidate | None]:
     """(the pick, the pick with the lookup off): ``pick`` over all candidates, and where that one copies
     from the context, ``pick`` over those that do not (None when none was timed or the pick does not copy)."""
@@ -464,7 +469,7 @@ def run_tune(args) -> int:
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
-    return _record(args.heads, heads.config, cands, {**search, "tolerance": args.tolerance})
+    return _record(args.heads, heads.config, cands, {**search, **_rule(args.tolerance)})
 
 
 def _rounds(args) -> int:
@@ -505,8 +510,7 @@ def _run_tune_pair(args, loaded) -> int:
                   "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands]}
     best = pick(cands, tolerance=args.tolerance)
     decode = DecodeSettings(tree=best.spec, threshold=best.threshold)
-    path = write_pair_record(loaded.model, draft, decode, {**search, "tolerance": args.tolerance,
-                                                           "tau_tolerance": TAU_TOLERANCE})
+    path = write_pair_record(loaded.model, draft, decode, {**search, **_rule(args.tolerance)})
     print(f"tree=auto for {args.model} drafted by {args.draft_model} is now {best.spec}, threshold=auto "
           f"{best.threshold} (recorded in {path})")
     return 0
@@ -524,7 +528,6 @@ def _record(heads_dir, config, cands: list[Candidate], search: dict) -> int:
     """The picks (``pick_settings``) into the heads' ``decode`` section (what "auto" reads) and the timings
     behind them into tune-tree.json; the weights are not rewritten."""
     best, off = pick_settings(cands, tolerance=search["tolerance"])
-    search = {**search, "tau_tolerance": TAU_TOLERANCE}   # the rule the pick followed (the card says it)
     config.decode = _settings(best, None if off is None else _settings(off))
     config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
     write_heads_config(heads_dir, asdict(config))
@@ -562,7 +565,7 @@ def _repick(args) -> int:
     search = recorded_search(args.heads)
     if not search or not search.get("candidates"):
         raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
-    return _record(args.heads, heads, _from_records(search["candidates"]), {**search, "tolerance": args.tolerance})
+    return _record(args.heads, heads, _from_records(search["candidates"]), {**search, **_rule(args.tolerance)})
 
 
 def _from_records(rows: list[dict]) -> list[Candidate]:
