@@ -108,6 +108,50 @@ def _pick_rule(ts: dict) -> str:
             "those the one verifying the fewest nodes per step wins).")
 
 
+def _search_lines(ts: dict, decode, *, title: str) -> list[str]:
+    """A tune-tree record ``ts`` (greedy, or sampled at ``ts["temperature"]``) and the pick ``decode`` made from
+    it, as a card section: how the candidates were timed, the table, the pick."""
+    temperature = ts.get("temperature")
+    how = "greedy" if temperature is None else f"sampled at temperature {temperature:g} (plain decoding sampled alike)"
+    lines = [title, "",
+             "Chosen by `selfspec tune-tree` on "
+             + (f"{ts['n_prompts']} prompts of {ts['prompts']} the heads never saw (seeded sample, seed "
+                f"{ts.get('seed', 0)}) " if ts.get("prompts") else f"{ts['held_out_prompts']} held-out training prompts ")
+             + f"({ts['max_new_tokens']} new tokens, {how}, {ts['threads']} threads), each run interleaved with plain "
+             "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
+             "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
+             "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
+             "are grafted on; verified/step counts the nodes verified."
+             + (" A second round timed again the fastest candidates (" +
+                (f"at most {ts['finalists']} with the lookup and {ts['finalists']} without, each within twice the "
+                 "tolerance of its group's best" if decode.without_lookup and ts.get("finalists_by_lookup") else
+                 f"at most {ts['finalists']}, those within twice the tolerance of the best") +
+                f") on {ts['n_prompts']} other prompts of the file; their numbers pool both "
+                "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
+             + _pick_rule(ts), "",
+             "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in ts["candidates"]:
+        name = c["spec"] if isinstance(c["spec"], str) else f"{c['size']}-node Medusa tree"
+        name = f"{name} (depth-expand-nodes)" if name.startswith("dynamic-") else name
+        t, nodes = c.get("threshold", 0.0), c.get("nodes_per_step")
+        speedup = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
+        lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | {c.get('lookup', 0)} | "
+                     f"{'-' if nodes is None else f'{nodes:.2f}'} | "
+                     f"{c['tokens_per_s']:.1f} | {speedup} | {c['tau']:.2f} | {c.get('runs') or '-'} |")
+    chosen = decode.tree
+    lines.append("")
+    lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
+                 f"threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}.")
+    off = decode.without_lookup
+    if off is not None:
+        lines.append(f"With the lookup off (`lookup=0`, the bench's `-heads` methods), \"auto\" is the pick among "
+                     f"the candidates without it: `{off.tree if isinstance(off.tree, str) else [tuple(p) for p in off.tree]}`, "
+                     f"threshold {off.threshold:g}, gate {off.gate:g}.")
+    lines.append("")
+    return lines
+
+
 def _data_lines(data: str | None, rows: list[int] | None) -> list[str]:
     """One line per data directory: what it holds, rows and response tokens the run used."""
     from .training.data import data_dirs, load_distillation_data
@@ -167,6 +211,9 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
              f"- held-out (train-split prompts never trained on) top-1 agreement with the target: "
              f"{_pct(ev.get('top1'))}, top-5: {_pct(ev.get('top5'))}, KL {ev.get('loss', float('nan')):.3f} "
              f"over {ev.get('tokens')} positions", ""]
+    sampled = recorded_search(ckpt, sampled=True)
+    if sampled and decode.sampled is not None:
+        lines += _search_lines(sampled, decode.sampled, title="## When sampling (do_sample=True, the same settings \"auto\")")
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:
@@ -229,47 +276,15 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
 
     ts = recorded_search(ckpt)
     if ts:
-        lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
-                  "Chosen by `selfspec tune-tree` on "
-                  + (f"{ts['n_prompts']} prompts of {ts['prompts']} the heads never saw (seeded sample, seed "
-                     f"{ts.get('seed', 0)}) " if ts.get("prompts") else f"{ts['held_out_prompts']} held-out training prompts ")
-                  + f"({ts['max_new_tokens']} new tokens, {ts['threads']} threads), each run interleaved with plain "
-                  "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
-                  "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
-                  "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
-                  "are grafted on (greedy); verified/step counts the nodes verified."
-                  + (" A second round timed again the fastest candidates (" +
-                     (f"at most {ts['finalists']} with the lookup and {ts['finalists']} without, each within twice the "
-                      "tolerance of its group's best" if decode.without_lookup and ts.get("finalists_by_lookup") else
-                      f"at most {ts['finalists']}, those within twice the tolerance of the best") +
-                     f") on {ts['n_prompts']} other prompts of the file; their numbers pool both "
-                     "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
-                  + _pick_rule(ts), "",
-                  "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau | runs |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for c in ts["candidates"]:
-            name = c["spec"] if isinstance(c["spec"], str) else f"{c['size']}-node Medusa tree"
-            name = f"{name} (depth-expand-nodes)" if name.startswith("dynamic-") else name
-            t, nodes = c.get("threshold", 0.0), c.get("nodes_per_step")
-            speedup = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
-            lines.append(f"| {name} | {c['size']} | {t:g} | {c.get('gate', 0.0):g} | {c.get('lookup', 0)} | "
-                         f"{'-' if nodes is None else f'{nodes:.2f}'} | "
-                         f"{c['tokens_per_s']:.1f} | {speedup} | {c['tau']:.2f} | {c.get('runs') or '-'} |")
-        chosen = decode.tree
-        lines.append("")
-        lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
-                     f"threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}.")
-        off = decode.without_lookup
-        if off is not None:
-            lines.append(f"With the lookup off (`lookup=0`, the bench's `-heads` methods), \"auto\" is the pick among "
-                         f"the candidates without it: `{off.tree if isinstance(off.tree, str) else [tuple(p) for p in off.tree]}`, "
-                         f"threshold {off.threshold:g}, gate {off.gate:g}.")
-        lines.append("")
+        lines += _search_lines(ts, decode, title="## Tree and threshold (tree=\"auto\", threshold=\"auto\")")
     elif decode.tree is not None:
         lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
                   f"`{decode.tree}`, threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}: "
                   "not timed for these heads by `selfspec tune-tree` (no tune-tree.json here); carried over from the "
                   "heads they were warm-started from or replace.", ""]
+    sampled = recorded_search(ckpt, sampled=True)
+    if sampled and decode.sampled is not None:
+        lines += _search_lines(sampled, decode.sampled, title="## When sampling (do_sample=True, the same settings \"auto\")")
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:

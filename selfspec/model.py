@@ -27,7 +27,7 @@ from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, Lookup
                        check_drafter_name)
 from .drafters.base import draft_dtype
 from .drafters.eagle import parse_dynamic_tree
-from .heads import Heads, HeadsConfig, build_heads, head_widths, load_heads, read_heads_config, save_heads
+from .heads import Heads, HeadsConfig, build_heads, head_widths, heads_in_dtype, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .projection import FewRowLinears, few_row_linears
@@ -35,7 +35,7 @@ from .sampling import SamplingParams
 from .step import StaticStep
 from .shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter, shipped_corpus, shipped_draft, shipped_heads
 from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
-                       check_settings, default_exit_layer, resolve_settings)
+                       DrafterSettings, check_settings, default_exit_layer, resolve_settings)
 from .tree import build_tree, parse_tree
 from .tuned_pairs import pair_decode
 
@@ -168,34 +168,52 @@ class SelfSpeculativeModel:
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
             decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
-        st = resolve_settings(drafter_name, decode, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
-        self.settings = st   # what this drafter runs with (DrafterSettings; None where it takes no such setting)
-        if drafter_name == "none":
-            self.drafter = NoDrafter(self.backbone.device)
-        elif drafter_name == "lookup":
-            self.drafter = LookupDrafter(self.backbone.device, lookup=st.lookup, vocab_size=self.backbone.vocab_size,
-                                         corpus=corpus)
-        elif drafter_name == "medusa":
+        given = dict(tree=tree, threshold=threshold, gate=gate, lookup=lookup)
+        self.settings = resolve_settings(drafter_name, decode, **given)   # what this drafter runs with (DrafterSettings)
+        # Sampling reads the settings tune-tree timed sampling with, where it did (``DecodeSettings.sampled``).
+        self.sampled_settings = resolve_settings(drafter_name, decode, **given, sampling=True)
+        # The EAGLE head in its drafting dtype, converted once for both drafters.
+        self._drafting_heads = heads_in_dtype(heads, draft_dtype(self.backbone.device, self.backbone.dtype)) \
+            if drafter_name == "eagle" else heads
+        self.drafter = self._make_drafter(self.settings, draft_model=draft_model, exit_layer=exit_layer)
+        self.sampled_drafter = self.drafter if self.sampled_settings == self.settings else \
+            self._make_drafter(self.sampled_settings, draft_model=draft_model, exit_layer=exit_layer)
+        # Few-row products of the target's (and the drafters') layers in their fastest layout on CPU
+        # (projection.py); compiled steps are left to torch.compile.
+        self.linears = nullcontext() if self.step is not None else \
+            few_row_linears(model, *{id(m): m for d in self.drafters() for m in d.modules()}.values())
+
+    def _make_drafter(self, st: DrafterSettings, *, draft_model, exit_layer: int | None):
+        """This model's drafter with settings ``st``."""
+        name, heads, corpus, device = self.drafter_name, self._drafting_heads, self.corpus, str(self.backbone.device)
+        if name == "none":
+            return NoDrafter(self.backbone.device)
+        if name == "lookup":
+            return LookupDrafter(self.backbone.device, lookup=st.lookup, vocab_size=self.backbone.vocab_size, corpus=corpus)
+        if name == "medusa":
             paths = parse_tree(st.tree, default=())
             if st.tree is DRAFTER_SETTINGS["medusa"].tree:   # the default tree, cut to the depth these heads fill
                 paths = tuple(p for p in paths if len(p) <= heads.config.num_heads)
-            self.drafter = MedusaDrafter(self.backbone, heads, build_tree(paths, device), threshold=st.threshold,
-                                         gate=st.gate, lookup=st.lookup, corpus=corpus)
-        elif drafter_name == "early-exit":
+            return MedusaDrafter(self.backbone, heads, build_tree(paths, device), threshold=st.threshold,
+                                 gate=st.gate, lookup=st.lookup, corpus=corpus)
+        if name == "early-exit":
             if exit_layer is not None and exit_layer != heads.config.exit_layer:
                 raise ValueError(f"exit_layer={exit_layer} but the heads were trained at layer {heads.config.exit_layer}")
-            self.drafter = EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(st.tree, default=()), device),
-                                            threshold=st.threshold)
-        elif drafter_name == "eagle":
-            self.drafter = EagleDrafter(self.backbone, heads, **parse_dynamic_tree(st.tree), threshold=st.threshold,
-                                        lookup=st.lookup, corpus=corpus)
-        else:
-            self.drafter = DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
-                                             vocab_size=self.backbone.vocab_size, threshold=st.threshold)
-        # Few-row products of the target's (and the drafter's) layers in their fastest layout on CPU
-        # (projection.py); compiled steps are left to torch.compile.
-        self.linears = nullcontext() if self.step is not None else \
-            few_row_linears(model, *self.drafter.modules())
+            return EarlyExitDrafter(self.backbone, heads, build_tree(parse_tree(st.tree, default=()), device),
+                                    threshold=st.threshold)
+        if name == "eagle":
+            return EagleDrafter(self.backbone, heads, **parse_dynamic_tree(st.tree), threshold=st.threshold,
+                                lookup=st.lookup, corpus=corpus)
+        return DraftModelDrafter(draft_model, build_tree(parse_tree(st.tree, default=()), device),
+                                 vocab_size=self.backbone.vocab_size, threshold=st.threshold)
+
+    def drafter_for(self, sampling: bool):
+        """The drafter a greedy (``sampling`` False) or sampled ``generate`` decodes with."""
+        return self.sampled_drafter if sampling else self.drafter
+
+    def drafters(self) -> list:
+        """This model's drafters: the greedy one, and the sampled one where its settings differ."""
+        return [self.drafter] + ([] if self.sampled_drafter is self.drafter else [self.sampled_drafter])
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -378,7 +396,7 @@ class SelfSpeculativeModel:
             # fitting learns from (a step that timed a layout would look slow, and its width never be tried again).
             self.tune_layouts(len(prompts))
         with self.linears:
-            new, stats = decode_rows(self.backbone, self.drafter, [p.to(dev) for p in prompts], params=params,
+            new, stats = decode_rows(self.backbone, self.drafter_for(sampling), [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
                                      on_tokens=on_tokens, step=self.step, cost=cost)
         if streamer is not None:
@@ -394,23 +412,29 @@ class SelfSpeculativeModel:
         and the verification pass's cost at every row count up to ``batch`` (budget.py), so that
         no later call pays for it; decoding otherwise times each on first use. What an earlier
         process on this machine timed is read back instead, and what this one times is kept (timings.py)."""
-        tune_layouts(self.backbone, self.drafter, self.linears, batch=batch)
+        for drafter in self.drafters():
+            tune_layouts(self.backbone, drafter, self.linears, batch=batch)
         self._tuned_batches.update(range(1, batch + 1) if self.step is None else (batch,))
         cost = self._cost(batch)
         with self.linears:   # a static step always runs all ``batch`` rows
             for rows in (() if cost is None else (batch,) if self.step is not None else range(1, batch + 1)):
-                cost.table(rows, self.drafter.max_nodes)
+                cost.table(rows, self.max_nodes)
         timings.flush()
 
     def _cost(self, rows: int) -> VerifyCost | None:
         """What prices a batch's verification passes for width fitting; None where it does not apply."""
-        if not self.fit_width or rows < 1 or self.drafter.max_nodes < 2:
+        if not self.fit_width or rows < 1 or self.max_nodes < 2:
             return None
         if self.step is not None:   # priced by bucket, through the step's own (compiled) passes
             if self._step_cost is None:
                 self._step_cost = VerifyCost(self.backbone, step=self.step, capture=self.drafter.capture_layers)
             return self._step_cost
         return verify_cost(self.backbone)
+
+    @property
+    def max_nodes(self) -> int:
+        """The most tree nodes a step of either drafter verifies per row."""
+        return max(d.max_nodes for d in self.drafters())
 
     def __repr__(self) -> str:
         return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r})"

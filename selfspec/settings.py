@@ -70,42 +70,53 @@ class DecodeSettings:
 
     ``without_lookup``: where the pick copies from the context (lookup > 0), the tree, threshold and
     gate measured fastest with the lookup off, which a user who turns it off (``lookup=0``) gets: a
-    tree cut for use beside the lookup's copies leaves the heads alone with about one node a step."""
+    tree cut for use beside the lookup's copies leaves the heads alone with about one node a step.
+
+    ``sampled``: the settings ``tune-tree --temperature`` measured fastest when sampling (with a
+    ``without_lookup`` of their own), which "auto" gives a sampled ``generate``. Sampling accepts
+    fewer drafted tokens than greedy decoding, so a tree and threshold tuned greedy draft deeper
+    than sampling repays; None: sampling reads the greedy settings."""
 
     tree: str | list | None = None    # a tree spec ("chain-3", "dynamic-4-2-4", a list of paths); None: the drafter's default
     threshold: float = 0.0
     gate: float = 0.0
     lookup: int = 0
     without_lookup: "DecodeSettings | None" = None
+    sampled: "DecodeSettings | None" = None
 
     @classmethod
-    def from_json(cls, raw, *, nested: bool = False) -> "DecodeSettings":
+    def from_json(cls, raw, *, section: str = "decode", where: str = "its decode section") -> "DecodeSettings":
+        """``section``: "decode" (the whole section), "sampled" (its sampled settings: no sampled section
+        of their own) or "without_lookup" (no sub-section; lookup 0)."""
         if raw is None:
             return cls()
-        fields = set(cls.__dataclass_fields__) - ({"without_lookup"} if nested else set())
-        where = "its decode section's without_lookup" if nested else "its decode section"
-        if not isinstance(raw, dict) or set(raw) - fields:
-            raise ValueError(f"{where} must be a mapping of {', '.join(sorted(fields))}")
+        subs = {"decode": {"without_lookup", "sampled"}, "sampled": {"without_lookup"}, "without_lookup": set()}[section]
+        allowed = {"tree", "threshold", "gate", "lookup"} | subs
+        if not isinstance(raw, dict) or set(raw) - allowed:
+            raise ValueError(f"{where} must be a mapping of {', '.join(sorted(allowed))}")
         tree = raw.get("tree")
         if tree is not None and not isinstance(tree, (str, list)):
             raise ValueError(f"{where}'s tree must be a tree spec or a list of paths (got {tree!r})")
         lookup = _checked(raw.get("lookup", 0), "lookup", int)
-        if nested and lookup != 0:
+        if section == "without_lookup" and lookup != 0:
             raise ValueError(f"{where} holds the settings with the lookup off: its lookup must be 0 (got {lookup})")
-        without = raw.get("without_lookup")
+        without, sampled = raw.get("without_lookup"), raw.get("sampled")
         return cls(tree=tree, threshold=_checked(raw.get("threshold", 0.0), "threshold", float),
                    gate=_checked(raw.get("gate", 0.0), "gate", float), lookup=lookup,
-                   without_lookup=None if without is None else cls.from_json(without, nested=True))
+                   without_lookup=None if without is None else
+                   cls.from_json(without, section="without_lookup", where=f"{where}'s without_lookup"),
+                   sampled=None if sampled is None else cls.from_json(sampled, section="sampled", where=f"{where}'s sampled"))
 
     def to_json(self) -> dict:
         return self.json_of(asdict(self))
 
     @staticmethod
     def json_of(raw: dict) -> dict:
-        """``asdict``'s form -> config.json's: an unset ``without_lookup`` left out, and none nested in one."""
-        out = {k: v for k, v in raw.items() if k != "without_lookup"}
-        if raw.get("without_lookup") is not None:
-            out["without_lookup"] = {k: v for k, v in raw["without_lookup"].items() if k != "without_lookup"}
+        """``asdict``'s form -> config.json's: unset sub-sections (``without_lookup``, ``sampled``) left out."""
+        out = {k: v for k, v in raw.items() if k not in ("without_lookup", "sampled")}
+        for key in ("without_lookup", "sampled"):
+            if raw.get(key) is not None:
+                out[key] = DecodeSettings.json_of(raw[key])
         return out
 
     def for_lookup(self, lookup) -> "DecodeSettings":
@@ -115,6 +126,10 @@ class DecodeSettings:
                 _checked(lookup, "lookup", int) == 0:
             return self.without_lookup
         return self
+
+    def for_sampling(self, sampling: bool) -> "DecodeSettings":
+        """The settings "auto" reads when decoding samples (``sampled`` where tune-tree timed it) or not."""
+        return self.sampled if sampling and self.sampled is not None else self
 
 
 @dataclass(frozen=True)
@@ -206,11 +221,11 @@ def check_settings(drafter: str, *, tree="auto", threshold="auto", gate="auto", 
 
 
 def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree="auto", threshold="auto",
-                     gate="auto", lookup="auto") -> DrafterSettings:
+                     gate="auto", lookup="auto", sampling: bool = False) -> DrafterSettings:
     """The settings a drafter runs with: each given value, else ("auto") the heads' tuned ``decode``
-    value (``decode``: None for drafters without heads; with ``lookup=0``, its ``without_lookup``
-    settings where it has them), else the drafter's default. Values are checked as in
-    :func:`check_settings`."""
+    value (``decode``: None for drafters without heads; ``sampling``: its ``sampled`` settings where it
+    has them; with ``lookup=0``, their ``without_lookup`` settings where they have them), else the
+    drafter's default. Values are checked as in :func:`check_settings`."""
     check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
     declared = DRAFTER_SETTINGS[drafter]
 
@@ -221,7 +236,7 @@ def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree
             return _checked(value, key, kind)
         return kind(getattr(decode, key)) if decode is not None else getattr(declared, key)
 
-    decode = decode.for_lookup(lookup) if decode is not None else None
+    decode = decode.for_sampling(sampling).for_lookup(lookup) if decode is not None else None
     tuned_tree = decode.tree if decode is not None else None
     return DrafterSettings(
         tree=None if declared.tree is None else (tree if tree not in AUTO else (tuned_tree or declared.tree)),

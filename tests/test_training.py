@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from conftest import distill_dataset, hf_greedy, tiny_model
 from torch.nn import functional as F
 
 from selfspec.backbone import config_fingerprint
-from selfspec.heads import load_heads
+from selfspec.heads import load_heads, read_heads_config
 from selfspec.model import SelfSpeculativeModel
 from selfspec.settings import DecodeSettings
 from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
@@ -364,6 +364,100 @@ def test_the_lookup_off_pick_is_kept_apart_and_used_only_when_the_user_turns_the
                        ({"lookup": 8, "without_lookup": {"tree": 3}}, "tree must be a tree spec")):
         with pytest.raises(ValueError, match=match):
             DecodeSettings.from_json(raw)
+
+
+def test_sampled_settings_are_what_auto_gives_a_sampled_generate(tmp_path):
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+    from selfspec.settings import resolve_settings
+
+    sampled = DecodeSettings(tree="chain-1", threshold=0.3, gate=0.0, lookup=4,
+                             without_lookup=DecodeSettings(tree="chain-2", threshold=0.1))
+    decode = DecodeSettings(tree="chain-3", threshold=0.0, lookup=8, without_lookup=DecodeSettings(tree="chain-4"),
+                            sampled=sampled)
+    assert DecodeSettings.from_json(decode.to_json()) == decode
+    assert "sampled" not in decode.to_json()["sampled"] and "sampled" not in DecodeSettings().to_json()
+    assert resolve_settings("medusa", decode).tree == "chain-3"                       # greedy: the greedy pick
+    on = resolve_settings("medusa", decode, sampling=True)
+    assert (on.tree, on.threshold, on.lookup) == ("chain-1", 0.3, 4)                  # sampling: the sampled pick
+    off = resolve_settings("medusa", decode, sampling=True, lookup=0)
+    assert (off.tree, off.threshold, off.lookup) == ("chain-2", 0.1, 0)               # and its own pick without lookup
+    assert resolve_settings("medusa", decode, sampling=True, tree="chain-2").tree == "chain-2"   # given values win
+    assert resolve_settings("medusa", replace(decode, sampled=None), sampling=True).tree == "chain-3"   # never timed
+    for raw, match in (({"sampled": {"sampled": {}}}, "sampled must be a mapping"),
+                       ({"sampled": {"lookup": 8, "without_lookup": {"lookup": 2}}}, "its lookup must be 0"),
+                       ({"sampled": {"tree": 5}}, "tree must be a tree spec")):
+        with pytest.raises(ValueError, match=match):
+            DecodeSettings.from_json(raw)
+    # A model whose heads record both: greedy generate drafts with the greedy pick, sampled with the sampled one.
+    model = tiny_model(seed=2)
+    heads = untrained_heads("medusa", model, "tiny", num_heads=3)
+    heads.config.decode = DecodeSettings(tree=[[0], [0, 0], [0, 0, 0]], lookup=2,
+                                         sampled=DecodeSettings(tree=[[0], [1]], threshold=0.2))
+    save_heads(heads, tmp_path / "h")
+    tuned = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=config_fingerprint(model.config))
+    sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, name="tiny")
+    assert sm.drafter.tree.paths == ((0,), (0, 0), (0, 0, 0)) and sm.drafter.lookup == 2
+    assert sm.sampled_drafter.tree.paths == ((0,), (1,)) and sm.sampled_drafter.threshold == 0.2
+    assert sm.sampled_drafter.lookup == 0 and sm.drafters() == [sm.drafter, sm.sampled_drafter]
+    used = []
+    for d in sm.drafters():
+        d.draft_rows = (lambda real, d=d: lambda *a: used.append(d) or real(*a))(d.draft_rows)
+    prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(sm.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12))
+    assert used and all(d is sm.drafter for d in used)
+    used.clear()
+    sm.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.7, generator=torch.Generator().manual_seed(1))
+    assert used and all(d is sm.sampled_drafter for d in used)
+    # Settings the user gives hold for both; where nothing differs the two are one drafter.
+    same = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, name="tiny", tree="chain-2",
+                                threshold=0.0, lookup=0)
+    assert same.sampled_drafter is same.drafter and same.drafters() == [same.drafter]
+
+
+def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_one(tmp_path, capsys):
+    from selfspec.card import card
+    from selfspec.cli import main
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+    from selfspec.training.tune import SAMPLED_SEARCH_FILE, SEARCH_FILE, _record, _rule, pick_settings, tune_tree
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed=2)
+    heads = untrained_heads("eagle", model, "tiny")
+    greedy = DecodeSettings(tree="dynamic-3-2-3", threshold=0.1, lookup=0)
+    heads.config.decode = greedy
+    save_heads(heads, tmp_path / "e")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 97, (n,), generator=g) for n in (5, 7)]
+    _, cands, _ = tune_tree(model, heads, [], n_prompts=1, max_new_tokens=6, progress=False, prompts=prompts,
+                            finalists=2, temperature=0.7)
+    assert all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
+    search = {"prompts": "p.jsonl", "n_prompts": 1, "seed": 0, "finalists": 2, "finalists_by_lookup": True,
+              "max_new_tokens": 6, "temperature": 0.7, "threads": 1, "candidates": [asdict(c) for c in cands]}
+    config = read_heads_config(tmp_path / "e")
+    assert _record(tmp_path / "e", config, cands, {**search, **_rule(0.03)}, sampled=True) == 0
+    decode = read_heads_config(tmp_path / "e").decode
+    best, off = pick_settings(cands)
+    assert replace(decode, sampled=None) == greedy                   # the greedy pick stays
+    assert (decode.sampled.tree, decode.sampled.threshold, decode.sampled.lookup) == (best.spec, best.threshold, best.lookup)
+    assert (decode.sampled.without_lookup is None) == (off is None)
+    assert not (tmp_path / "e" / SEARCH_FILE).exists() and (tmp_path / "e" / SAMPLED_SEARCH_FILE).is_file()
+    text = card(tmp_path / "e", None, None, "cpu")
+    assert "## When sampling" in text and "sampled at temperature 0.7" in text
+    # --recorded re-picks every record there is; a greedy one recorded later keeps the sampled pick.
+    assert main(["tune-tree", "--heads", str(tmp_path / "e"), "--prompts", "unused", "--recorded", "--tolerance", "0"]) == 0
+    assert json.loads((tmp_path / "e" / SAMPLED_SEARCH_FILE).read_text())["tolerance"] == 0
+    sampled = read_heads_config(tmp_path / "e").decode.sampled
+    _record(tmp_path / "e", read_heads_config(tmp_path / "e"), cands, {**search, **_rule(0.03)})
+    assert read_heads_config(tmp_path / "e").decode.sampled == sampled
+    capsys.readouterr()
+    heads_args = ["--heads", str(tmp_path / "e"), "--prompts", "unused"]
+    for argv, match in ((heads_args + ["--temperature", "-1"], "--temperature must be >= 0"),
+                        (heads_args + ["--temperature", "0.7", "--recorded"], "drop --temperature"),
+                        (["--draft-model", "smollm2-135m", "--prompts", "unused", "--temperature", "0.7"], "applies to heads")):
+        assert main(["tune-tree"] + argv) == 2
+        assert match in capsys.readouterr().err
 
 
 def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, capsys):

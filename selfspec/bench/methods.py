@@ -188,9 +188,10 @@ def build_methods(
                 sm.tune_layouts(max(batch_sizes))
                 return
             sm.step.reserve(positions)
+            drafter = sm.drafter_for(sampling)
             for b in batch_sizes:
-                sm.step.warm_up(batch=b, max_nodes=sm.drafter.max_nodes, capture=sm.drafter.capture_layers)
-                sm.drafter.warm_up(sm.step, batch=b)
+                sm.step.warm_up(batch=b, max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
+                drafter.warm_up(sm.step, batch=b)
                 sm.tune_layouts(b)
         fn.prepare = prepare
         return fn
@@ -231,9 +232,9 @@ def build_methods(
                                   corpus=corpus if reads_corpus else None,
                                   compile=step if step is not None else False, **{**settings.get(drafter, {}), **pinned})
         key = base.removeprefix("selfspec-").replace("-", "_") + ("" if variant is None else f"@{variant}")
-        for setting, value in asdict(sm.settings).items():
+        for setting, value in asdict(sm.sampled_settings if sampling else sm.settings).items():
             if value is not None:
-                tree = getattr(sm.drafter, "tree", None) if setting == "tree" else None
+                tree = getattr(sm.drafter_for(sampling), "tree", None) if setting == "tree" else None
                 notes[f"{key}_{setting}"] = [list(p) for p in tree.paths] if tree is not None else value
         return ours(sm)
 

@@ -14,6 +14,9 @@ winner goes into the ``decode`` section of the heads' ``config.json`` (``tree`` 
 ``tune-tree.json`` beside it (what ``--recorded`` re-picks from). Where the winner copies from the
 context, the candidates without the lookup are picked among too (their own finalists), and that
 pick goes into ``decode.without_lookup``: what "auto" gives a user who passes ``lookup=0``.
+With ``--temperature T`` the candidates and the plain reference decode sampled at T instead, and the
+picks go into ``decode.sampled`` (timings: ``tune-tree-sampled.json``), what "auto" gives a sampled
+``generate``; the greedy ones stay.
 
 A separate draft model (``--draft-model``, no heads): time chain lengths, each also cut by the
 draft's own confidence (``DRAFT_GRID``), on ``--prompts``; the winner is recorded for that pair of
@@ -33,7 +36,7 @@ import argparse
 import json
 import statistics
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -162,14 +165,17 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
-def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int,
-         linears=nullcontext()) -> tuple[int, float, int, int, int]:
-    """Greedy-decode one prompt: (tokens, wall seconds, steps, tokens committed, draft nodes verified).
-    ``linears``: what ``SelfSpeculativeModel.generate`` decodes under (``projection.few_row_linears``), and
-    like it each step's tree is cut to the width the pass is worth (``budget.py``)."""
+def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int, linears=nullcontext(), *,
+         temperature: float = 0.0, seed: int = 0) -> tuple[int, float, int, int, int]:
+    """Decode one prompt, greedy or (``temperature`` > 0) sampled with a generator seeded ``seed``:
+    (tokens, wall seconds, steps, tokens committed, draft nodes verified). ``linears``: what
+    ``SelfSpeculativeModel.generate`` decodes under (``projection.few_row_linears``), and like it each
+    step's tree is cut to the width the pass is worth (``budget.py``)."""
+    params = SamplingParams(do_sample=True, temperature=temperature) if temperature > 0 else SamplingParams()
+    generator = torch.Generator(device=bb.device).manual_seed(seed) if temperature > 0 else None
     with linears:
-        new, st = decode(bb, drafter, prompt.to(bb.device), params=SamplingParams(), max_new_tokens=max_new_tokens,
-                         eos_token_ids=set(), generator=None,
+        new, st = decode(bb, drafter, prompt.to(bb.device), params=params, max_new_tokens=max_new_tokens,
+                         eos_token_ids=set(), generator=generator,
                          cost=verify_cost(bb) if drafter.max_nodes > 1 else None)
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
@@ -180,14 +186,15 @@ def drafting_modules(drafters: list) -> list:
 
 
 def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], linears, *, max_new_tokens: int,
-                  repeats: int, progress: bool) -> tuple[list[list[tuple]], list[list[float]]]:
-    """Greedy-decode every prompt with every drafter (index 0: the plain reference), interleaved.
+                  repeats: int, progress: bool, temperature: float = 0.0) -> tuple[list[list[tuple]], list[list[float]]]:
+    """Decode every prompt with every drafter (index 0: the plain reference), interleaved; greedy, or
+    sampled at ``temperature`` (every drafter's run of a prompt seeded alike).
 
     For each prompt all drafters run back to back, in an order rotated from prompt to prompt, so
     machine drift hits them alike. Returns (runs, ratios): ``runs[i]`` the ``_run`` tuples of drafter
     i, ``ratios[i]`` its tokens/s over plain decoding's on the same prompt in the same round.
     """
-    run = lambda d, prompt, n: _run(bb, d, prompt, n, linears)  # noqa: E731
+    run = lambda d, prompt, n, seed=0: _run(bb, d, prompt, n, linears, temperature=temperature, seed=seed)  # noqa: E731
     for d in drafters:  # warm-up; every product layout a drafter can meet is timed here, not in a timed run
         tune_layouts(bb, d, linears)
         run(d, prompts[0], 4)
@@ -202,7 +209,7 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
             turn += 1
             here = {}
             for i in order:
-                here[i] = run(drafters[i], prompt, max_new_tokens)
+                here[i] = run(drafters[i], prompt, max_new_tokens, turn)
                 runs[i].append(here[i])
                 bar.update(1)
             plain = here[0][0] / here[0][1]
@@ -215,8 +222,10 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
 def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUNE_PROMPTS,
               max_new_tokens: int = TUNE_NEW_TOKENS, repeats: int = TUNE_REPEATS, progress: bool = True,
               prune: bool = True, tolerance: float = TUNE_TOLERANCE, finalists: int = FINALISTS,
-              prompts: list[torch.Tensor] | None = None, corpus=None) -> tuple[Candidate, list[Candidate], list | None]:
-    """Time every candidate (tree, threshold, gate) against plain decoding; return (best, all, acc).
+              prompts: list[torch.Tensor] | None = None, corpus=None,
+              temperature: float = 0.0) -> tuple[Candidate, list[Candidate], list | None]:
+    """Time every candidate (tree, threshold, gate) against plain decoding, greedy or (``temperature`` > 0)
+    both sampled; return (best, all, acc).
 
     Timing follows the bench's protocol at a finer grain (``time_drafters``). A candidate's
     ``speedup`` is the median over (prompt, round) of its tokens/s over plain decoding's on the
@@ -261,7 +270,8 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
 
     cands = time_candidates(bb, drafters, grid, size, prompts[:n_prompts], prompts[n_prompts:2 * n_prompts],
                             few_row_linears(model, *drafting_modules(drafters)), max_new_tokens=max_new_tokens,
-                            repeats=repeats, progress=progress, tolerance=tolerance, finalists=finalists)
+                            repeats=repeats, progress=progress, tolerance=tolerance, finalists=finalists,
+                            temperature=temperature)
     return pick(cands, tolerance=tolerance), cands, acc
 
 
@@ -290,14 +300,14 @@ def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_token
 
 def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first: list[torch.Tensor],
                     second: list[torch.Tensor], linears, *, max_new_tokens: int, repeats: int, progress: bool,
-                    tolerance: float, finalists: int) -> list[Candidate]:
+                    tolerance: float, finalists: int, temperature: float = 0.0) -> list[Candidate]:
     """Time ``drafters`` (index 0: plain decoding; then one per ``grid`` row) on ``first``, then the
     ``finalists`` fastest of those within twice ``tolerance`` of the best again on ``second`` (with
     plain decoding, interleaved as before); a finalist's numbers pool both rounds. Candidates with
     the lookup and without it are two groups, each with its own finalists (``pick_settings`` picks
     from each). Returns one ``Candidate`` per grid row."""
     runs, ratios = time_drafters(bb, drafters, first, linears, max_new_tokens=max_new_tokens,
-                                 repeats=repeats, progress=progress)
+                                 repeats=repeats, progress=progress, temperature=temperature)
     cands = _candidates(grid, runs, ratios, size)
     if finalists <= 0 or not second:
         return cands
@@ -307,7 +317,8 @@ def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first
         near += sorted((i for i in group if cands[i].speedup >= (1 - 2 * tolerance) * top),
                        key=lambda i: -cands[i].speedup)[:finalists]
     more_runs, more_ratios = time_drafters(bb, [drafters[0]] + [drafters[i + 1] for i in near], second, linears,
-                                           max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
+                                           max_new_tokens=max_new_tokens, repeats=repeats, progress=progress,
+                                           temperature=temperature)
     for j, i in enumerate(near, start=1):
         runs[i + 1] += more_runs[j]
         ratios[i + 1] += more_ratios[j]
@@ -397,8 +408,13 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                         f"them on both rounds (default {FINALISTS}; 0 = one round)")
     p.add_argument("--corpus", default="auto", help="medusa / eagle: the corpus the candidates' lookup reads where the "
                    "context has no match (auto = the one shipped for the demo model, none = off)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="heads: time sampled decoding at this temperature (plain decoding sampled alike) and record the pick "
+                        "as the heads' sampled settings, what \"auto\" gives a sampled generate (the greedy ones stay); "
+                        "0 = greedy (default)")
     p.add_argument("--recorded", action="store_true",
-                   help="time nothing: choose again, with this --tolerance, from the timings recorded by the last run")
+                   help="time nothing: choose again, with this --tolerance, from the timings recorded by the last runs "
+                        "(greedy and sampled)")
 
 
 def check_tune_args(args) -> None:
@@ -407,6 +423,13 @@ def check_tune_args(args) -> None:
     for name in ("prompts_n", "max_new_tokens", "repeats", "threads"):
         at_least(getattr(args, name), 1, name)
     at_least(args.finalists, 0, "finalists")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0 (got {args.temperature:g}; 0 = greedy)")
+    if args.temperature > 0 and args.draft_model is not None:
+        raise ValueError("--temperature applies to heads: a draft model's chains are timed greedy (drop --temperature)")
+    if args.temperature > 0 and args.recorded:
+        raise ValueError("--recorded times nothing: it re-picks the greedy and sampled timings already recorded "
+                         "(drop --temperature)")
     if (args.heads is None) == (args.draft_model is None):
         raise ValueError("pass --heads DIR (trained heads) or --draft-model NAME (a separate draft model), one of them")
     if args.draft_model is not None:
@@ -458,7 +481,8 @@ def run_tune(args) -> int:
     corpus = None if corpus_dir is None else load_corpus(corpus_dir, fingerprint=config_fingerprint(loaded.model.config))
     _, cands, acc = tune_tree(loaded.model, heads, seqs, n_prompts=args.prompts_n,
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, prune=not args.no_prune,
-                                 tolerance=args.tolerance, finalists=args.finalists, prompts=prompts, corpus=corpus)
+                                 tolerance=args.tolerance, finalists=args.finalists, prompts=prompts, corpus=corpus,
+                                 temperature=args.temperature)
     _print_candidates(cands)
     timed_on = {"prompts": Path(args.prompts).name, "n_prompts": min(args.prompts_n, len(prompts)), "seed": args.seed} \
         if prompts else {"held_out_prompts": min(args.prompts_n, len(seqs))}
@@ -466,10 +490,11 @@ def run_tune(args) -> int:
     timed_on["finalists_by_lookup"] = True   # finalists drawn with and without the lookup apart (time_candidates)
     corpus_note = None if corpus_dir is None else "auto (the shipped corpus)" if args.corpus == "auto" else str(corpus_dir)
     search = {**timed_on, "corpus": corpus_note, "max_new_tokens": args.max_new_tokens,
+              **({"temperature": args.temperature} if args.temperature > 0 else {}),
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
-    return _record(args.heads, heads.config, cands, {**search, **_rule(args.tolerance)})
+    return _record(args.heads, heads.config, cands, {**search, **_rule(args.tolerance)}, sampled=args.temperature > 0)
 
 
 def _rounds(args) -> int:
@@ -517,6 +542,7 @@ def _run_tune_pair(args, loaded) -> int:
 
 
 SEARCH_FILE = "tune-tree.json"
+SAMPLED_SEARCH_FILE = "tune-tree-sampled.json"   # ``--temperature``: the timings behind ``decode.sampled``
 
 
 def _settings(c: Candidate, without_lookup: DecodeSettings | None = None) -> DecodeSettings:
@@ -524,21 +550,23 @@ def _settings(c: Candidate, without_lookup: DecodeSettings | None = None) -> Dec
                           gate=c.gate, lookup=c.lookup, without_lookup=without_lookup)
 
 
-def _record(heads_dir, config, cands: list[Candidate], search: dict) -> int:
-    """The picks (``pick_settings``) into the heads' ``decode`` section (what "auto" reads) and the timings
-    behind them into tune-tree.json; the weights are not rewritten."""
+def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled: bool = False) -> int:
+    """The picks (``pick_settings``) into the heads' ``decode`` section (what "auto" reads; ``sampled``: into
+    its ``sampled`` settings, the greedy ones kept, and the other way round) and the timings behind them
+    into tune-tree.json (tune-tree-sampled.json); the weights are not rewritten."""
     best, off = pick_settings(cands, tolerance=search["tolerance"])
-    config.decode = _settings(best, None if off is None else _settings(off))
+    picked = _settings(best, None if off is None else _settings(off))
+    config.decode = replace(config.decode, sampled=picked) if sampled else replace(picked, sampled=config.decode.sampled)
     config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
     write_heads_config(heads_dir, asdict(config))
-    atomic_write_text(Path(heads_dir) / SEARCH_FILE, json.dumps(search, indent=1))
-    return _report_choice(heads_dir, best, off)
+    atomic_write_text(Path(heads_dir) / (SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE), json.dumps(search, indent=1))
+    return _report_choice(heads_dir, best, off, sampled=sampled)
 
 
-def recorded_search(heads_dir) -> dict | None:
-    """The candidates the last tune-tree run timed for these heads (heads tuned before selfspec 0.2
-    keep them in their provenance), or None."""
-    path = Path(heads_dir) / SEARCH_FILE
+def recorded_search(heads_dir, *, sampled: bool = False) -> dict | None:
+    """The candidates the last tune-tree run timed for these heads, greedy or (``sampled``) at a temperature
+    (heads tuned before selfspec 0.2 keep the greedy ones in their provenance), or None."""
+    path = Path(heads_dir) / (SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE)
     if path.is_file():
         try:
             search = json.loads(path.read_text())
@@ -547,25 +575,29 @@ def recorded_search(heads_dir) -> dict | None:
         if not isinstance(search, dict):
             raise ValueError(f"{path} is not a tune-tree record (corrupt JSON): delete it and run `selfspec tune-tree` again")
         return search
-    return read_heads_config(heads_dir).provenance.get("tree_search")
+    return None if sampled else read_heads_config(heads_dir).provenance.get("tree_search")
 
 
-def _report_choice(path: str, best: Candidate, off: Candidate | None = None) -> int:
+def _report_choice(path: str, best: Candidate, off: Candidate | None = None, *, sampled: bool = False) -> int:
     shape = lambda c: c.spec if isinstance(c.spec, str) else f"{len(c.spec)}-node tree"  # noqa: E731
-    print(f"tree=auto for {path} is now the {shape(best)}, threshold=auto {best.threshold}, gate=auto {best.gate}, "
-          f"lookup=auto {best.lookup}")
+    print(f"tree=auto for {path}{' when sampling' if sampled else ''} is now the {shape(best)}, threshold=auto "
+          f"{best.threshold}, gate=auto {best.gate}, lookup=auto {best.lookup}")
     if off is not None:
         print(f"with lookup=0: the {shape(off)}, threshold=auto {off.threshold}, gate=auto {off.gate}")
     return 0
 
 
 def _repick(args) -> int:
-    """--recorded: apply ``pick`` again to the candidates the last tune-tree run timed (no weights rewritten)."""
-    heads = read_heads_config(args.heads)
-    search = recorded_search(args.heads)
-    if not search or not search.get("candidates"):
+    """--recorded: apply ``pick`` again to the candidates the last tune-tree runs timed, greedy and sampled
+    (no weights rewritten)."""
+    searches = {sampled: recorded_search(args.heads, sampled=sampled) for sampled in (False, True)}
+    searches = {sampled: s for sampled, s in searches.items() if s and s.get("candidates")}
+    if not searches:
         raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
-    return _record(args.heads, heads, _from_records(search["candidates"]), {**search, **_rule(args.tolerance)})
+    for sampled, search in searches.items():
+        _record(args.heads, read_heads_config(args.heads), _from_records(search["candidates"]),
+                {**search, **_rule(args.tolerance)}, sampled=sampled)
+    return 0
 
 
 def _from_records(rows: list[dict]) -> list[Candidate]:
