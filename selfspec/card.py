@@ -112,7 +112,7 @@ def _search_lines(ts: dict, decode, *, title: str) -> list[str]:
     """A tune-tree record ``ts`` (greedy, or sampled at ``ts["temperature"]``) and the pick ``decode`` made from
     it, as a card section: how the candidates were timed, the table, the pick."""
     temperature = ts.get("temperature")
-    how = "greedy" if temperature is None else f"sampled at temperature {temperature:g} (plain decoding sampled alike)"
+    how = "greedy" if temperature is None else f"sampled at temperature {temperature:g}, plain decoding too"
     lines = [title, "",
              "Chosen by `selfspec tune-tree` on "
              + (f"{ts['n_prompts']} prompts of {ts['prompts']} the heads never saw (seeded sample, seed "
