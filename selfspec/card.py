@@ -211,9 +211,6 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
              f"- held-out (train-split prompts never trained on) top-1 agreement with the target: "
              f"{_pct(ev.get('top1'))}, top-5: {_pct(ev.get('top5'))}, KL {ev.get('loss', float('nan')):.3f} "
              f"over {ev.get('tokens')} positions", ""]
-    sampled = recorded_search(ckpt, sampled=True)
-    if sampled and decode.sampled is not None:
-        lines += _search_lines(sampled, decode.sampled, title="## When sampling (do_sample=True, the same settings \"auto\")")
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:
@@ -284,7 +281,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
                   "heads they were warm-started from or replace.", ""]
     sampled = recorded_search(ckpt, sampled=True)
     if sampled and decode.sampled is not None:
-        lines += _search_lines(sampled, decode.sampled, title="## When sampling (do_sample=True, the same settings \"auto\")")
+        lines += _search_lines(sampled, decode.sampled, title="## When sampling (do_sample=True; tree, threshold, gate and lookup \"auto\")")
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:

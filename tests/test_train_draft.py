@@ -117,6 +117,10 @@ def test_checkpoint_holds_only_trained_tensors_and_materializes(tmp_path, monkey
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
     assert all((out / n).stat().st_mode & 0o777 == 0o644 for n in ("model.safetensors", META_FILE))
+    from selfspec.card import write_card
+
+    card = write_card(out, hardware="cpu").read_text()   # a draft model's card (no heads: no tune-tree sections)
+    assert "distilled draft model" in card and "## Training" in card and "## When sampling" not in card
 
     full = materialize_draft(out)
     assert full.parent == tmp_path / "home" / "drafts" and full.name.startswith("d-")
