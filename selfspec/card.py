@@ -7,7 +7,8 @@ with dev-prompt accuracy and bench results added::
         --method selfspec-medusa --reproduce "selfspec train-heads ..."
 
 Training facts come from the heads' config.json (``provenance``: data, steps, tokens, wall time,
-held-out accuracy; ``decode``: the tuned settings) and tune-tree.json (the tree search); accuracy on dev
+held-out accuracy; ``decode``: the tuned settings) and tune-tree.json (the tree search; tune-tree-sampled.json, the
+sampled one, where it ran); accuracy on dev
 prompts from ``selfspec eval-heads --json``; tau and speed from a ``selfspec bench`` results.json.
 """
 

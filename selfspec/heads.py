@@ -251,7 +251,7 @@ def check_safetensors(path: Path) -> None:
 
 
 # What a heads directory holds (and all a hub download of one fetches).
-HEADS_FILES = ("config.json", "model.safetensors", "README.md", "tune-tree.json")
+HEADS_FILES = ("config.json", "model.safetensors", "README.md", "tune-tree.json", "tune-tree-sampled.json")
 
 
 def heads_directory(heads: str | os.PathLike) -> Path:
