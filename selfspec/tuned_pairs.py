@@ -21,6 +21,9 @@ from .loading import selfspec_home
 from .settings import DecodeSettings
 
 
+SAMPLED_SEARCH_KEY = "sampled_search"   # a record's sampled timings (``tune-tree --temperature``), beside the greedy ones
+
+
 def model_key(model) -> str:
     """Shape fingerprint plus a few embedding weights rounded to bfloat16 (the same for a model
     loaded in float32, bfloat16 or converted after loading)."""
@@ -54,8 +57,11 @@ def pair_decode(target, draft) -> DecodeSettings | None:
     return None if record is None else DecodeSettings.from_json(record["decode"])
 
 
-def write_pair_record(target, draft, decode: DecodeSettings, search: dict) -> Path:
+def write_pair_record(target, draft, decode: DecodeSettings, search: dict, *, sampled_search: dict | None = None) -> Path:
+    """The pair's picks (``decode``, its ``sampled`` settings included) and the greedy timings behind them;
+    ``sampled_search``: the timings behind the sampled ones (``tune-tree --temperature``), kept apart."""
     path = pair_record_path(target, draft)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"decode": decode.to_json(), **search}, indent=1))
+    extra = {} if sampled_search is None else {SAMPLED_SEARCH_KEY: sampled_search}
+    atomic_write_text(path, json.dumps({"decode": decode.to_json(), **search, **extra}, indent=1))
     return path

@@ -454,8 +454,7 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
     capsys.readouterr()
     heads_args = ["--heads", str(tmp_path / "e"), "--prompts", "unused"]
     for argv, match in ((heads_args + ["--temperature", "-1"], "--temperature must be >= 0"),
-                        (heads_args + ["--temperature", "0.7", "--recorded"], "drop --temperature"),
-                        (["--draft-model", "smollm2-135m", "--prompts", "unused", "--temperature", "0.7"], "applies to heads")):
+                        (heads_args + ["--temperature", "0.7", "--recorded"], "drop --temperature")):
         assert main(["tune-tree"] + argv) == 2
         assert match in capsys.readouterr().err
 
@@ -973,3 +972,20 @@ def test_tune_tree_for_a_draft_model_records_the_pick_for_that_pair(tmp_path, mo
     assert main(argv[:5] + ["--recorded", "--tolerance", "0"]) == 0
     fastest = max(record["candidates"], key=lambda c: c["speedup"])
     assert f"is now {fastest['spec']}, threshold=auto {fastest['threshold']}" in capsys.readouterr().out
+    # --temperature: a sampled pick beside the greedy one, which stays; "auto" gives it to sampled decoding.
+    path = next((tmp_path / "home" / "tuned" / "draft-model").glob("*.json"))
+    greedy = json.loads(path.read_text())
+    assert main(argv + ["--temperature", "0.7"]) == 0
+    assert "when sampling is now chain-" in capsys.readouterr().out
+    both = json.loads(path.read_text())
+    assert {k: v for k, v in both["decode"].items() if k != "sampled"} == greedy["decode"]
+    assert both["sampled_search"]["temperature"] == 0.7 and len(both["sampled_search"]["candidates"]) == len(DRAFT_GRID)
+    assert both["candidates"] == greedy["candidates"]   # the greedy timings stay too
+    sampled = DecodeSettings.from_json(both["decode"]).sampled
+    sm = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
+    assert (sm.sampled_settings.tree, sm.sampled_settings.threshold) == (sampled.tree, sampled.threshold)
+    assert sm.settings.tree == greedy["decode"]["tree"]
+    assert main(argv[:5] + ["--recorded", "--tolerance", "0"]) == 0   # re-picks both records
+    out = capsys.readouterr().out
+    assert "when sampling is now" in out and out.count("is now") == 2
+    assert json.loads(path.read_text())["sampled_search"]["tolerance"] == 0

@@ -16,7 +16,7 @@ context, the candidates without the lookup are picked among too (their own final
 pick goes into ``decode.without_lookup``: what "auto" gives a user who passes ``lookup=0``.
 With ``--temperature T`` the candidates and the plain reference decode sampled at T instead, and the
 picks go into ``decode.sampled`` (timings: ``tune-tree-sampled.json``), what "auto" gives a sampled
-``generate``; the greedy ones stay.
+``generate``; the greedy ones stay (for a draft model, likewise in the pair's record).
 
 A separate draft model (``--draft-model``, no heads): time chain lengths, each also cut by the
 draft's own confidence (``DRAFT_GRID``), on ``--prompts``; the winner is recorded for that pair of
@@ -59,7 +59,7 @@ from ..projection import few_row_linears
 from ..sampling import SamplingParams
 from ..settings import DEFAULT_MAX_NEW_TOKENS, DecodeSettings
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
-from ..tuned_pairs import read_pair_record, write_pair_record
+from ..tuned_pairs import SAMPLED_SEARCH_KEY, read_pair_record, write_pair_record
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, check_corpus_arg, in_unit_interval
 from .data import read_meta
@@ -278,7 +278,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
 def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_tokens: int = TUNE_NEW_TOKENS,
                      repeats: int = TUNE_REPEATS, n_prompts: int | None = None,
                      progress: bool = True, prune: bool = True, tolerance: float = TUNE_TOLERANCE,
-                     finalists: int = FINALISTS) -> tuple[Candidate, list[Candidate]]:
+                     finalists: int = FINALISTS, temperature: float = 0.0) -> tuple[Candidate, list[Candidate]]:
     """Time the draft model's chains (``DRAFT_GRID``) against plain decoding as ``tune_tree`` times
     trees; return (best, all). ``draft`` should already be in its drafting dtype (``draft_dtype``),
     else every candidate's drafter converts a copy of its own. The first ``n_prompts`` of ``prompts``
@@ -294,7 +294,7 @@ def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_token
     cands = time_candidates(bb, drafters, grid, lambda spec: build_tree(parse_tree(spec, default=())).size - 1,
                             prompts[:n], prompts[n:2 * n], few_row_linears(model, *drafting_modules(drafters)),
                             max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, tolerance=tolerance,
-                            finalists=finalists)
+                            finalists=finalists, temperature=temperature)
     return pick(cands, tolerance=tolerance), cands
 
 
@@ -409,9 +409,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default="auto", help="medusa / eagle: the corpus the candidates' lookup reads where the "
                    "context has no match (auto = the one shipped for the demo model, none = off)")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="heads: time sampled decoding at this temperature (plain decoding sampled alike) and record the pick "
-                        "as the heads' sampled settings, what \"auto\" gives a sampled generate (the greedy ones stay); "
-                        "0 = greedy (default)")
+                   help="time sampled decoding at this temperature (plain decoding sampled alike) and record the pick "
+                        "as the sampled settings of the heads (or the pair), what \"auto\" gives a sampled generate (the "
+                        "greedy ones stay); 0 = greedy (default)")
     p.add_argument("--recorded", action="store_true",
                    help="time nothing: choose again, with this --tolerance, from the timings recorded by the last runs "
                         "(greedy and sampled)")
@@ -425,8 +425,6 @@ def check_tune_args(args) -> None:
     at_least(args.finalists, 0, "finalists")
     if not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0 (got {args.temperature:g}; 0 = greedy)")
-    if args.temperature > 0 and args.draft_model is not None:
-        raise ValueError("--temperature applies to heads: a draft model's chains are timed greedy (drop --temperature)")
     if args.temperature > 0 and args.recorded:
         raise ValueError("--recorded times nothing: it re-picks the greedy and sampled timings already recorded "
                          "(drop --temperature)")
@@ -510,34 +508,48 @@ def _print_candidates(cands: list[Candidate]) -> None:
 
 
 def _run_tune_pair(args, loaded) -> int:
-    """--draft-model: time the pair's chains (or, with --recorded, choose again from the recorded
-    timings) and record the pick for this pair."""
+    """--draft-model: time the pair's chains, greedy or sampled (``--temperature``), or with --recorded choose
+    again from the recorded timings; record the picks for this pair. A sampled run keeps the greedy
+    pick and its timings, a greedy run the sampled ones (``SAMPLED_SEARCH_KEY``)."""
     draft = load_model(args.draft_model, device=loaded.model.device).model
     w = draft.get_output_embeddings().weight
     draft.to(draft_dtype(w.device, w.dtype))   # converted once here, as from_pretrained does
+    try:
+        old = read_pair_record(loaded.model, draft) or {}
+    except ValueError:
+        if args.recorded:
+            raise
+        old = {}   # a torn record: this run's timings replace it
+    searches = {False: {k: v for k, v in old.items() if k not in ("decode", SAMPLED_SEARCH_KEY)} or None,
+                True: old.get(SAMPLED_SEARCH_KEY)}
     if args.recorded:
-        search = read_pair_record(loaded.model, draft)
-        if search is None or not search.get("candidates"):
+        searches = {sampled: {**search, **_rule(args.tolerance)} for sampled, search in searches.items()
+                    if search and search.get("candidates")}
+        if not searches:
             raise ValueError(f"{args.model} with draft {args.draft_model} records no tune-tree timings: run "
                              "`selfspec tune-tree --draft-model` without --recorded first")
-        cands = _from_records(search["candidates"])
     else:
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
                    for pr in load_bench_prompts(args.prompts, sample=_rounds(args) * args.prompts_n, seed=args.seed)]
         _, cands = tune_draft_model(loaded.model, draft, prompts, max_new_tokens=args.max_new_tokens,
                                     repeats=args.repeats, n_prompts=args.prompts_n, prune=not args.no_prune,
-                                    tolerance=args.tolerance, finalists=args.finalists)
+                                    tolerance=args.tolerance, finalists=args.finalists, temperature=args.temperature)
         _print_candidates(cands)
-        search = {"target": args.model, "draft": args.draft_model, "prompts": Path(args.prompts).name,
-                  "n_prompts": min(args.prompts_n, len(prompts)), "finalists": args.finalists, "seed": args.seed,
-                  "max_new_tokens": args.max_new_tokens,
-                  "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands]}
-    best = pick(cands, tolerance=args.tolerance)
-    decode = DecodeSettings(tree=best.spec, threshold=best.threshold)
-    path = write_pair_record(loaded.model, draft, decode, {**search, **_rule(args.tolerance)})
-    print(f"tree=auto for {args.model} drafted by {args.draft_model} is now {best.spec}, threshold=auto "
-          f"{best.threshold} (recorded in {path})")
+        searches[args.temperature > 0] = {
+            "target": args.model, "draft": args.draft_model, "prompts": Path(args.prompts).name,
+            "n_prompts": min(args.prompts_n, len(prompts)), "finalists": args.finalists, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, **({"temperature": args.temperature} if args.temperature > 0 else {}),
+            "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands], **_rule(args.tolerance)}
+    decode = DecodeSettings.from_json(old.get("decode"))
+    for sampled in (searches if args.recorded else [args.temperature > 0]):   # the other mode's pick stays as it is
+        best = pick(_from_records(searches[sampled]["candidates"]), tolerance=args.tolerance)
+        picked = DecodeSettings(tree=best.spec, threshold=best.threshold)
+        decode = replace(decode, sampled=picked) if sampled else replace(picked, sampled=decode.sampled)
+        print(f"tree=auto for {args.model} drafted by {args.draft_model}{' when sampling' if sampled else ''} is now "
+              f"{best.spec}, threshold=auto {best.threshold}")
+    path = write_pair_record(loaded.model, draft, decode, searches.get(False) or {}, sampled_search=searches.get(True))
+    print(f"(recorded in {path})")
     return 0
 
 
