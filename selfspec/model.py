@@ -25,7 +25,7 @@ from .corpus import Corpus, load_corpus, read_corpus_config
 from .decode import DecodeStats, decode_rows
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
                        check_drafter_name)
-from .drafters.base import draft_dtype
+from .drafters.base import draft_dtype, drafting_modules
 from .drafters.eagle import parse_dynamic_tree
 from .heads import Heads, HeadsConfig, build_heads, head_widths, heads_in_dtype, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
@@ -164,7 +164,6 @@ class SelfSpeculativeModel:
         self.fit_width = fit_width
         self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
         self._step_cost: VerifyCost | None = None   # width fitting's prices for the static step (compile=True)
-        device = str(self.backbone.device)
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
             decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
@@ -181,7 +180,7 @@ class SelfSpeculativeModel:
         # Few-row products of the target's (and the drafters') layers in their fastest layout on CPU
         # (projection.py); compiled steps are left to torch.compile.
         self.linears = nullcontext() if self.step is not None else \
-            few_row_linears(model, *{id(m): m for d in self.drafters() for m in d.modules()}.values())
+            few_row_linears(model, *drafting_modules(self.drafters()))
 
     def _make_drafter(self, st: DrafterSettings, *, draft_model, exit_layer: int | None):
         """This model's drafter with settings ``st``."""

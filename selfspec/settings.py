@@ -10,7 +10,7 @@ resolve settings through :func:`check_settings` and :func:`resolve_settings`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 DEFAULT_MAX_NEW_TOKENS = 128     # generate(), `selfspec generate` and `selfspec bench` alike
@@ -126,6 +126,10 @@ class DecodeSettings:
                 _checked(lookup, "lookup", int) == 0:
             return self.without_lookup
         return self
+
+    def with_pick(self, picked: "DecodeSettings", *, sampled: bool) -> "DecodeSettings":
+        """These settings with ``picked`` as the greedy pick (or, ``sampled``, the sampled one); the other kept."""
+        return replace(self, sampled=picked) if sampled else replace(picked, sampled=self.sampled)
 
     def for_sampling(self, sampling: bool) -> "DecodeSettings":
         """The settings "auto" reads when decoding samples (``sampled`` where tune-tree timed it) or not."""

@@ -26,6 +26,11 @@ def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
     return target_dtype
 
 
+def drafting_modules(drafters: list) -> list:
+    """The modules the drafters draft with, each once (``Drafter.modules``)."""
+    return list({id(m): m for d in drafters for m in d.modules()}.values())
+
+
 @dataclass
 class DecodeState:
     """Invariant: ``cache`` holds every token of ``ids`` except the last, the *pending* token

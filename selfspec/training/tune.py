@@ -36,7 +36,7 @@ import argparse
 import json
 import statistics
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from ..budget import verify_cost
 from ..corpus import load_corpus
 from ..decode import decode
 from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
-from ..drafters.base import draft_dtype
+from ..drafters.base import draft_dtype, drafting_modules
 from ..drafters.eagle import parse_dynamic_tree
 from ..heads import Heads, heads_in_dtype, load_heads, read_heads_config, write_heads_config
 from ..bench.harness import load_prompts as load_bench_prompts
@@ -178,11 +178,6 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int, linea
                          eos_token_ids=set(), generator=generator,
                          cost=verify_cost(bb) if drafter.max_nodes > 1 else None)
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
-
-
-def drafting_modules(drafters: list) -> list:
-    """The modules the drafters draft with, each once (``Drafter.modules``)."""
-    return list({id(m): m for d in drafters for m in d.modules()}.values())
 
 
 def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], linears, *, max_new_tokens: int,
@@ -545,7 +540,7 @@ def _run_tune_pair(args, loaded) -> int:
     for sampled in (searches if args.recorded else [args.temperature > 0]):   # the other mode's pick stays as it is
         best = pick(_from_records(searches[sampled]["candidates"]), tolerance=args.tolerance)
         picked = DecodeSettings(tree=best.spec, threshold=best.threshold)
-        decode = replace(decode, sampled=picked) if sampled else replace(picked, sampled=decode.sampled)
+        decode = decode.with_pick(picked, sampled=sampled)
         print(f"tree=auto for {args.model} drafted by {args.draft_model}{' when sampling' if sampled else ''} is now "
               f"{best.spec}, threshold=auto {best.threshold}")
     path = write_pair_record(loaded.model, draft, decode, searches.get(False) or {}, sampled_search=searches.get(True))
@@ -568,7 +563,7 @@ def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled:
     into tune-tree.json (tune-tree-sampled.json); the weights are not rewritten."""
     best, off = pick_settings(cands, tolerance=search["tolerance"])
     picked = _settings(best, None if off is None else _settings(off))
-    config.decode = replace(config.decode, sampled=picked) if sampled else replace(picked, sampled=config.decode.sampled)
+    config.decode = config.decode.with_pick(picked, sampled=sampled)
     config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
     write_heads_config(heads_dir, asdict(config))
     atomic_write_text(Path(heads_dir) / (SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE), json.dumps(search, indent=1))
