@@ -453,7 +453,8 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
     assert read_heads_config(tmp_path / "e").decode.sampled == sampled
     capsys.readouterr()
     heads_args = ["--heads", str(tmp_path / "e"), "--prompts", "unused"]
-    for argv, match in ((heads_args + ["--temperature", "-1"], "--temperature must be >= 0"),
+    for argv, match in ((heads_args + ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+                        (heads_args + ["--temperature", "inf"], "--temperature must be a finite number >= 0"),
                         (heads_args + ["--temperature", "0.7", "--recorded"], "drop --temperature")):
         assert main(["tune-tree"] + argv) == 2
         assert match in capsys.readouterr().err

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -418,8 +419,8 @@ def check_tune_args(args) -> None:
     for name in ("prompts_n", "max_new_tokens", "repeats", "threads"):
         at_least(getattr(args, name), 1, name)
     at_least(args.finalists, 0, "finalists")
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (got {args.temperature:g}; 0 = greedy)")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (got {args.temperature:g}; 0 = greedy)")
     if args.temperature > 0 and args.recorded:
         raise ValueError("--recorded times nothing: it re-picks the greedy and sampled timings already recorded "
                          "(drop --temperature)")
