@@ -35,11 +35,23 @@ CORPUS_HELP = ("lookup / medusa / eagle: where the context has no match, the loo
 # token, times COPY_ACCEPT_NEXT for each one after it. The lookup's measured acceptance by depth on
 # held-out chat prompts was 0.59, 0.46, 0.37, 0.31, 0.27 (0.66, 0.49, 0.34, 0.30, 0.25 on dev).
 COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT = 0.6, 0.8
+# A chain copied from the context says more: its chance depends on how long the match that found it
+# was. (first copied token, each next one given the one before), for matches of 1, 2, 3 and 4 or more
+# tokens: a single repeated token's copy is right about a quarter of the time, a match of four
+# tokens' nearly nine times in ten. Measured by `python scripts/lookup_priors.py` on the demo
+# model's own greedy answers (training/data/smollm2-135m-{broad-cpu,broad-self,broad-gpu,greedy},
+# the last 300 of each, 40,158 chains: broad chat prompts, maths and code), replaying the lookup
+# step by step; each set alone gave first chances within 0.07 of these.
+COPY_ACCEPT_BY_MATCH = ((0.23, 0.67), (0.48, 0.76), (0.55, 0.78), (0.88, 0.95))
 # The same when sampling (width fitting cuts sampled trees too), where a copied token is accepted only
 # as often as the target's distribution draws it: at temperature 0.7 on held-out chat prompts the
 # lookup's acceptance by depth was 0.51, 0.25, 0.14, 0.11 with the corpus, 0.50, 0.42, 0.33, 0.26
 # reading the context alone.
 COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT = 0.5, 0.6
+# ... and by match length, as COPY_ACCEPT_BY_MATCH (a copied token is accepted with the target's
+# probability of it, so the share of sampled answers that continue as the copy does is that chance):
+# the same script on the target's answers sampled at temperature 0.7 (training/data/smollm2-135m-t0.7).
+COPY_ACCEPT_SAMPLED_BY_MATCH = ((0.20, 0.53), (0.40, 0.63), (0.54, 0.70), (0.73, 0.88))
 # Where compile=True also runs the EAGLE head's draft step at static shapes (compiled; CUDA graphs):
 # on CUDA, where an eager head call is dozens of kernel launches. On the 2-core development CPU the
 # compiled head decoded 2-4% slower than the eager one in two interleaved runs of 10 held-out prompts

@@ -16,7 +16,7 @@ from selfspec.drafters.base import DecodeState, Draft, Resume, layout_path_p, pr
 from selfspec.drafters.lookup import with_lookup
 from selfspec.model import SelfSpeculativeModel
 from selfspec.sampling import SamplingParams
-from selfspec.settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
+from selfspec.settings import COPY_ACCEPT_BY_MATCH, COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 from selfspec.tree import build_tree, chain
 from test_batch import GREEDY, N_NEW, RowOracle, _alone, _prompts, every_drafter
 
@@ -60,12 +60,19 @@ def test_nodes_without_probabilities_get_the_copy_prior_and_copies_extend_the_dr
     assert prior == pytest.approx([1.0, COPY_ACCEPT_FIRST, COPY_ACCEPT_FIRST * COPY_ACCEPT_NEXT, COPY_ACCEPT_FIRST])
     conf = torch.tensor([[0.9, 0.05], [0.5, 0.1]])   # (depth, rank) as a Medusa layout holds them
     assert layout_path_p(tree, conf).tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05])
-    # The context ends in "7 8" as it began; what followed then, 9 4, grafts under the rank-0 node (token 9).
+    # The context ends in "7 8" as it began; what followed then, 9 4, grafts under the rank-0 node (token 9),
+    # with the chance of a token copied after a match of two tokens.
     state = DecodeState(ids=[7, 8, 9, 4, 7, 8], cache=None, params=GREEDY, generator=None)
     draft = Draft(tree=tree, tokens=torch.tensor([8, 9, 3, 5]), path_p=layout_path_p(tree, conf))
     grafted = with_lookup(draft, state, 2, vocab_size=20)
     assert grafted.tokens.tolist() == [8, 9, 3, 5, 4]
-    assert grafted.path_p.tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05, 0.9 * COPY_ACCEPT_NEXT])
+    assert grafted.path_p.tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05, 0.9 * COPY_ACCEPT_BY_MATCH[1][1]])
+    # A new chain under the root starts at the first chance: here after a match of one token (8 -> 6 1).
+    state = DecodeState(ids=[8, 6, 1, 2, 8], cache=None, params=GREEDY, generator=None)
+    grafted = with_lookup(Draft(tree=tree, tokens=torch.tensor([8, 9, 3, 5])), state, 2, vocab_size=20)
+    first, nxt = COPY_ACCEPT_BY_MATCH[0]
+    assert grafted.tokens.tolist() == [8, 9, 3, 5, 6, 1]
+    assert grafted.path_p.tolist() == pytest.approx(prior + [first, first * nxt])
     assert path_p(Draft(tree=tree, tokens=torch.arange(4))).tolist() == pytest.approx(prior)
 
 

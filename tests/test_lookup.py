@@ -9,7 +9,7 @@ from conftest import hf_greedy, tiny_model
 from selfspec.backbone import Backbone
 from selfspec.decode import decode
 from selfspec.drafters import LookupDrafter, MedusaDrafter
-from selfspec.drafters.lookup import context_continuation, graft
+from selfspec.drafters.lookup import MAX_NGRAM, context_match, copied_chain, copy_prior, graft
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.sampling import SamplingParams
 from selfspec.drafters.base import DecodeState, Draft
@@ -17,25 +17,61 @@ from selfspec.drafters.lookup import with_lookup
 from selfspec.tree import build_tree
 
 
-def test_continuation_follows_the_longest_then_latest_earlier_match():
-    assert context_continuation([1, 2, 3, 9, 8, 1, 2, 3], 2) == [9, 8]
+def test_match_follows_the_longest_then_latest_earlier_match():
+    assert context_match([1, 2, 3, 9, 8, 1, 2, 3], 2) == ([9, 8], 3)
     # Trigram [9, 5, 6] never occurred before; bigram [5, 6] did, latest at index 3.
-    assert context_continuation([5, 6, 7, 5, 6, 8, 4, 9, 5, 6], 3) == [8, 4, 9]
+    assert context_match([5, 6, 7, 5, 6, 8, 4, 9, 5, 6], 3) == ([8, 4, 9], 2)
     # The longer n-gram wins over a later shorter one: [1, 2, 3] at 0 beats [2, 3] at 5.
-    assert context_continuation([1, 2, 3, 4, 0, 2, 3, 5, 1, 2, 3], 1) == [4]
+    assert context_match([1, 2, 3, 4, 0, 2, 3, 5, 1, 2, 3], 1) == ([4], 3)
     # A match near the end gives fewer than k tokens (here it overlaps the suffix: a loop).
-    assert context_continuation([1, 2, 1, 2], 4) == [1, 2]
+    assert context_match([1, 2, 1, 2], 4) == ([1, 2], 2)
+    # The match counts up to max_ngram tokens: a longer one is no stronger, so the latest of those wins.
+    long = [7, 1, 2, 3, 4, 5, 8, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5]
+    assert context_match(long, 1) == ([9], MAX_NGRAM)
+    assert context_match(long, 1, max_ngram=5) == ([8], 5)
 
 
-def test_continuation_needs_a_repeated_ngram_of_min_length():
-    assert context_continuation([4, 1, 4], 3) == []                  # one repeated token is not enough
-    assert context_continuation([4, 1, 4], 3, min_ngram=1) == [1, 4]
-    assert context_continuation([1, 2, 3], 3) == []
-    assert context_continuation([], 3) == []
+def test_match_needs_a_repeated_ngram_of_min_length():
+    assert context_match([4, 1, 4], 3) == ([], 0)                  # one repeated token is a weak match
+    assert context_match([4, 1, 4], 3, min_ngram=1) == ([1, 4], 1)
+    assert context_match([1, 2, 3], 3, min_ngram=1) == ([], 0)
+    assert context_match([], 3) == ([], 0)
     with pytest.raises(ValueError, match="k >= 1"):
-        context_continuation([1, 2], 0)
+        context_match([1, 2], 0)
     with pytest.raises(ValueError, match="min_ngram"):
-        context_continuation([1, 2], 2, min_ngram=3, max_ngram=2)
+        context_match([1, 2], 2, min_ngram=3, max_ngram=2)
+
+
+class _Corpus:
+    """A corpus that proposes ``chain`` wherever it is asked."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def continuation(self, ids, k):
+        return self.chain[:k]
+
+
+def test_copied_chain_takes_a_context_match_then_the_corpus_then_the_last_token_alone():
+    greedy, sampled = SamplingParams(), SamplingParams(do_sample=True, temperature=1.0)
+    state = lambda ids, params=greedy: DecodeState(ids=ids, cache=None, params=params, generator=None)  # noqa: E731
+    # A match of two tokens beats the corpus.
+    assert copied_chain(state([5, 6, 7, 5, 6]), 2, _Corpus([9])) == ([7, 5], copy_prior(2, sampled=False))
+    # Only the last token repeats: the corpus first, with its own prior ...
+    assert copied_chain(state([4, 1, 4]), 3, _Corpus([9, 9])) == ([9, 9], copy_prior(None, sampled=False))
+    # ... and where it has nothing (or there is none), the last token's continuation.
+    assert copied_chain(state([4, 1, 4]), 3, _Corpus([])) == ([1, 4], copy_prior(1, sampled=False))
+    assert copied_chain(state([4, 1, 4], sampled), 3) == ([1, 4], copy_prior(1, sampled=True))
+    assert copied_chain(state([1, 2, 3]), 3) == ([], copy_prior(0, sampled=False))
+
+
+def test_copy_priors_grow_with_the_match_and_stay_chances():
+    for sampled in (False, True):
+        firsts = [copy_prior(n, sampled=sampled)[0] for n in range(1, MAX_NGRAM + 1)]
+        assert firsts == sorted(firsts) and firsts[0] < 0.3 < 0.7 < firsts[-1]
+        assert copy_prior(MAX_NGRAM + 3, sampled=sampled) == copy_prior(MAX_NGRAM, sampled=sampled)
+        assert all(0 < p < 1 for n in range(1, MAX_NGRAM + 1) for p in copy_prior(n, sampled=sampled))
+    assert copy_prior(2, sampled=True)[0] < copy_prior(2, sampled=False)[0]
 
 
 def test_graft_follows_matching_nodes_then_branches_off():

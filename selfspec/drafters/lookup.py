@@ -14,15 +14,23 @@ training: selfspec's own prompt lookup decoding.
 
 Where the context has no match, a ``Corpus`` (``corpus.py``: the target's own earlier answers)
 proposes the chain instead, by majority vote over where the last tokens occurred there; it is
-grafted the same way.
+grafted the same way. Where neither has one, the last token alone is looked up in the context: a
+weak cue (its copy is right about a quarter of the time), but one that most steps have.
+
+How likely a copied chain is to be accepted depends on the match that found it: measured on the
+target's own answers, the first token copied after a match of four tokens or more is right 88% of
+the time, after two 48%, after one 23% (``settings.COPY_ACCEPT_BY_MATCH``). Each copied node's
+path probability (``Draft.path_p``) says so, and width fitting (``budget.py``) verifies as much of
+each chain as the step's pass is worth on the machine: the long tail of a strong match, the first
+token or two of a weak one, or none of it.
 
 Sampling too: a copied token is a draft whose q is a point mass on it (its "draw" was certain
 given the context). Rejection sampling handles that exactly: accept it with probability p(x),
 else continue from p with x removed (``verify.rejection_accept_tree``). Each copied node gets a
 one-hot q row of its own, so siblings drawn from a draft distribution keep theirs.
 
-``context_continuation`` and ``graft`` are pure functions; ``with_lookup`` applies them to a
-step's draft, for both drafters.
+``context_match``, ``graft`` and ``copy_prior`` are pure functions; ``with_lookup`` applies them to a
+step's draft, for every drafter that copies.
 """
 
 from __future__ import annotations
@@ -32,30 +40,64 @@ from collections.abc import Sequence
 import torch
 
 from ..corpus import Corpus
-from ..settings import (COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT, COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT,
-                        DEFAULT_LOOKUP)
+from ..settings import (COPY_ACCEPT_BY_MATCH, COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT, COPY_ACCEPT_SAMPLED_BY_MATCH,
+                        COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT, DEFAULT_LOOKUP)
 from ..tree import Path, Tree, build_tree
 from .base import DecodeState, Draft, Drafter, check_lookup, prior_path_p
 
-MAX_NGRAM = 3   # longest suffix looked up first, down to
-MIN_NGRAM = 2   # a single repeated token is too weak a cue: most of its continuations are wrong
+MAX_NGRAM = 4    # a match this long or longer is the strongest cue (COPY_ACCEPT_BY_MATCH's last entry)
+MIN_NGRAM = 2    # the shortest match tried before the corpus
+WEAK_NGRAM = 1   # a single repeated token: tried after the corpus, with its low prior
 
 
-def context_continuation(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
-    ``ids`` (``max_ngram`` tokens, down to ``min_ngram``) that occurred before; [] if none did."""
+def context_match(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM
+                  ) -> tuple[list[int], int]:
+    """(up to k tokens that followed the most recent earlier occurrence of the longest suffix of
+    ``ids`` that occurred before, that suffix's length n), counting at most ``max_ngram`` tokens of
+    it: the match is the strongest (then latest) end of an earlier copy of the last token, and
+    ``([], 0)`` if it is shorter than ``min_ngram`` or there is none. One pass over ``ids``."""
     if k <= 0 or min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"need k >= 1 and 1 <= min_ngram <= max_ngram (got k={k}, {min_ngram}..{max_ngram})")
     ids = list(ids)
     end = len(ids)
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if end <= n:
+    if end < 2:
+        return [], 0
+    last = ids[-1]
+    best_at, best_n = -1, 0
+    for at in range(end - 2, -1, -1):        # latest first; the last token itself (at = end - 1) excluded
+        if ids[at] != last:
             continue
-        suffix, first = ids[end - n:], ids[end - n]
-        for j in range(end - n - 1, -1, -1):     # latest first; the suffix itself (j = end - n) excluded
-            if ids[j] == first and ids[j:j + n] == suffix:
-                return ids[j + n: j + n + k]
-    return []
+        n = 1
+        while n < max_ngram and at >= n and ids[at - n] == ids[end - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_at, best_n = at, n
+            if n == max_ngram:
+                break
+    if best_n < min_ngram:
+        return [], 0
+    return ids[best_at + 1: best_at + 1 + k], best_n
+
+
+def copy_prior(match: int | None, *, sampled: bool) -> tuple[float, float]:
+    """(the chance the first copied token is accepted, the chance of each next one given the one
+    before) for a chain found by a context match of ``match`` tokens, or by the corpus (None)."""
+    if match is None:
+        return (COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT) if sampled else (COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT)
+    table = COPY_ACCEPT_SAMPLED_BY_MATCH if sampled else COPY_ACCEPT_BY_MATCH
+    return table[min(max(match, 1), len(table)) - 1]
+
+
+def copied_chain(state: DecodeState, k: int, corpus: Corpus | None = None) -> tuple[list[int], tuple[float, float]]:
+    """The chain a step copies and its (first, next) chances (``copy_prior``): the context's match of
+    ``MIN_NGRAM`` tokens or more, else the ``corpus``'s, else the context's last token alone."""
+    sampled = state.params.do_sample
+    copied, n = context_match(state.ids, k, min_ngram=WEAK_NGRAM)
+    if n < MIN_NGRAM and corpus is not None:
+        from_corpus = corpus.continuation(state.ids, k)
+        if from_corpus:
+            return from_corpus, copy_prior(None, sampled=sampled)
+    return copied, copy_prior(n, sampled=sampled)
 
 
 def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) -> tuple[tuple[Path, ...], list[int]]:
@@ -89,14 +131,14 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
-def grafted_path_p(draft: Draft, tree: Tree, *, sampled: bool = False) -> torch.Tensor:
+def grafted_path_p(draft: Draft, tree: Tree, prior: tuple[float, float]) -> torch.Tensor:
     """(n,) path probabilities of ``tree`` (``draft``'s tree with copied nodes appended): the draft's own
     for its nodes (the copied-token prior where it has none), and for each copied node its parent's
-    times COPY_ACCEPT_FIRST (under the root) or COPY_ACCEPT_NEXT (settings.py; their SAMPLED pair
-    when ``sampled``). A copied node's chance never exceeds its parent's."""
+    times ``prior``'s first chance (under the root) or its next one (``copy_prior``). A copied node's
+    chance never exceeds its parent's."""
     n_old = draft.tree.size
     old = draft.path_p.float() if draft.path_p is not None else prior_path_p(draft.tree).to(draft.tokens.device)
-    first, nxt = (COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT) if sampled else (COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT)
+    first, nxt = prior
     parents = tree.parents.tolist()
     out = old.tolist() + [0.0] * (tree.size - n_old)
     for i in range(n_old, tree.size):
@@ -105,21 +147,20 @@ def grafted_path_p(draft: Draft, tree: Tree, *, sampled: bool = False) -> torch.
 
 
 def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, corpus: Corpus | None = None) -> Draft:
-    """A step's draft with up to k context tokens grafted on (unchanged when k is 0 or nothing matched).
-
-    Where the context has no match, a ``corpus`` (the target's own earlier answers, ``corpus.py``)
-    proposes the chain instead. Sampling: every new node gets a one-hot q row appended to
-    ``draft.q`` (point mass on its token)."""
-    copied = context_continuation(state.ids, k) if k else []
-    if not copied and k and corpus is not None:
-        copied = corpus.continuation(state.ids, k)
+    """A step's draft with up to k copied tokens grafted on (``copied_chain``: from the context, or where
+    it has no match of two tokens or more, from a ``corpus``, the target's own earlier answers,
+    ``corpus.py``); unchanged when k is 0 or nothing matched. Sampling: every new node gets a one-hot
+    q row appended to ``draft.q`` (point mass on its token)."""
+    if not k:
+        return draft
+    copied, prior = copied_chain(state, k, corpus)
     if not copied:
         return draft
     tokens = draft.tokens
     paths, merged = graft(draft.tree.paths, tokens.tolist(), copied)
     tree = build_tree(paths, str(tokens.device))
     merged = torch.tensor(merged, device=tokens.device)
-    path_p = grafted_path_p(draft, tree, sampled=state.params.do_sample)
+    path_p = grafted_path_p(draft, tree, prior)
     if not state.params.do_sample:
         return Draft(tree=tree, tokens=merged, resume=draft.resume, path_p=path_p)
     n_old, n_new = draft.tree.size, tree.size - draft.tree.size
