@@ -17,6 +17,7 @@ the one before: the values of ``settings.COPY_ACCEPT_BY_MATCH`` (pool greedy dat
 from __future__ import annotations
 
 import argparse
+import sys
 
 from selfspec.drafters.lookup import MAX_NGRAM, context_match
 from selfspec.training.data import load_distillation_data
@@ -48,9 +49,15 @@ def main() -> None:
     ap.add_argument("data", nargs="+", help="gen-data output directories")
     ap.add_argument("--last", type=int, default=300, help="answers read from the end of each directory (default 300)")
     a = ap.parse_args()
+    if a.last < 1:
+        ap.error(f"--last must be >= 1 (got {a.last})")
     counts: dict[int, list[int]] = {}
     for d in a.data:
-        ds = load_distillation_data(d)
+        try:
+            ds = load_distillation_data(d)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         for r in ds.select(range(max(0, len(ds) - a.last), len(ds))):
             start = r["response_start"]
             replay(list(r["input_ids"][:start]), list(r["input_ids"][start: start + r["n_response"]]), counts)
