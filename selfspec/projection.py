@@ -44,7 +44,8 @@ that costs memory, a second copy of every weight it runs: copies stop at a quart
 
 The layouts sum in different orders, so values agree to float rounding, not bit for bit: the
 same class of difference as any batched forward, and greedy exactness is measured against
-transformers like everything else. On CUDA it is always ``F.linear``.
+transformers like everything else. On CUDA it is always ``F.linear``, and so on a CPU for a precision it has no
+instructions for (``emulated``).
 """
 
 from __future__ import annotations
@@ -207,6 +208,23 @@ LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
+@functools.cache
+def emulated(dtype: torch.dtype) -> bool:
+    """Whether this CPU has no instructions for ``dtype``'s products (bfloat16 without AVX512-BF16 or
+    AMX, float16 without AVX512-FP16 or AMX-FP16; oneDNN's own checks). torch then converts as it
+    goes, a product's cost grows with its rows in every layout, and there is nothing to choose: on a
+    2-core AVX2 EPYC, bfloat16 ``F.linear`` was the fastest layout or within 4% of it at every row
+    count from 1 to 256 and every demo-model shape, and float16 likewise (1 to 16 rows). Such products
+    run as ``F.linear``, untimed and not rerouted: timing them cost a bfloat16 bench 150 s there before
+    its first token."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return True
+    check = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
+    return not check()
+
+
 def candidate_layouts(rows: int, dtype: torch.dtype = torch.float32) -> list[str]:
     """The layouts worth timing for this many rows (padding one row, pairing three to eight; packed
     where this torch packs ``dtype``)."""
@@ -233,7 +251,7 @@ def layout_for(weights: Sequence[torch.Tensor], x: torch.Tensor) -> str:
     ``weights``, each as a forward would meet it), then read from the process's table."""
     w = weights[0]
     bucket = row_bucket(x.shape[0])
-    if bucket is None or w.device.type != "cpu":
+    if bucket is None or w.device.type != "cpu" or emulated(w.dtype):
         return "linear"
     key = (tuple(w.shape), w.dtype, torch.get_num_threads(), bucket)
     name = CHOICE.get(key)
@@ -293,7 +311,7 @@ class Projection:
                  min_elements: int = MIN_HEAD_ELEMENTS):
         self.weight = weight                            # (V, H)
         self.bias = bias                                # (V,) or None
-        self.autotune = autotune and weight.numel() >= min_elements
+        self.autotune = autotune and weight.numel() >= min_elements and not emulated(weight.dtype)
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -463,7 +481,7 @@ def routable(model: nn.Module, min_elements: int = MIN_TUNED_ELEMENTS) -> list[n
     """The CPU ``nn.Linear`` modules of ``model`` that ``FewRowLinears`` reroutes (not its LM head)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head
-            and m.weight.device.type == "cpu" and m.weight.numel() >= min_elements]
+            and m.weight.device.type == "cpu" and m.weight.numel() >= min_elements and not emulated(m.weight.dtype)]
 
 
 def few_row_linears(*models: nn.Module | None, min_elements: int = MIN_TUNED_ELEMENTS):

@@ -154,6 +154,24 @@ def test_few_row_linears_only_for_models_with_big_layers():
     assert isinstance(few_row_linears(tiny, min_elements=head), nullcontext)
 
 
+def test_products_in_a_precision_the_cpu_emulates_are_neither_timed_nor_rerouted(monkeypatch):
+    from conftest import tiny_model
+    assert not projection.emulated(torch.float32)
+    assert projection.emulated(torch.bfloat16) == (not (torch.backends.mkldnn.is_available()
+                                                        and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    model = tiny_model("llama").to(torch.bfloat16)
+    head = model.get_output_embeddings().weight
+    x = torch.randn(3, head.shape[1], dtype=torch.bfloat16)
+    monkeypatch.setattr(projection, "emulated", lambda dtype: dtype in (torch.bfloat16, torch.float16))
+    assert projection.routable(model, min_elements=1) == [] and isinstance(few_row_linears(model, min_elements=1), nullcontext)
+    proj = Projection(head, min_elements=1)
+    assert not proj.autotune
+    torch.testing.assert_close(proj(x), F.linear(x, head))
+    assert projection.layout_for([head], x) == "linear" and projection.TABLE == {}   # nothing timed
+    monkeypatch.setattr(projection, "emulated", lambda dtype: False)                 # a CPU with BF16 instructions
+    assert projection.routable(model, min_elements=1) and Projection(head, min_elements=1).autotune
+
+
 class Block(torch.nn.Module):
     def __init__(self, big: int):
         super().__init__()
