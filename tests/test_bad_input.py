@@ -2,17 +2,22 @@
 status 2, and leaves nothing behind (no output file or directory); the Python API raises a
 ValueError / FileNotFoundError whose message is one line.
 
-Each CLI case runs the real command line in a subprocess (``python -m selfspec ...``). Most fail
-while the flags are checked, before torch loads (a fraction of a second); those that need a model
-use a tiny random one saved to a temporary directory, and a handful use the demo model's name.
+Each CLI case runs ``selfspec.cli.main`` in this process, as ``python -m selfspec ...`` would; a
+fresh interpreter pays seconds of importing torch and transformers per case on a slow CPU, and most
+cases need them. One case of each kind of failure also runs as the real command line in a
+subprocess (``SUBPROCESS_CASES``). Most fail while the flags are checked, before torch loads; those
+that need a model use a tiny random one saved to a temporary directory, and a handful use the demo
+model's name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -177,26 +182,72 @@ def _snapshot(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
+ROOT = Path(__file__).resolve().parent.parent
+# Also run as the real command line: a bad flag (argparse), a bad value checked before torch loads, a
+# model name that resolves to nothing, heads refused once the model has loaded, a training run refused
+# before it starts, and the demo model's shipped settings.
+SUBPROCESS_CASES = ("generate-max-new-tokens-not-a-number", "generate-top-p-above-one", "generate-missing-model-dir",
+                    "generate-heads-of-another-model", "train-heads-existing-run", "demo-bench-empty-tree")
+
+
+def _run_subprocess(argv: list[str]) -> tuple[int, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "selfspec", *argv], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "selfspec", *argv], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    return proc.returncode, proc.stderr
 
 
-@pytest.mark.parametrize("argv", [c[1] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_cli_input_is_one_line_and_exit_2(argv, d, request):
-    out = d / f"out-{request.node.callspec.id}"
-    parts = argv.split() if isinstance(argv, str) else argv
-    parts = [p.format(d=d, o=out) for p in parts]
-    before = _snapshot(d)
-    proc = _run(parts)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
-    assert lines and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+def _run_in_process(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """``selfspec.cli.main(argv)`` here, from the repository root; an exception it lets through fails the
+    test as a traceback would. What main() sets for the process (warning format and filters, logging,
+    torch's thread count) is put back afterwards."""
+    from selfspec import cli
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    handlers, threads = list(logging.getLogger().handlers), torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        with warnings.catch_warnings():
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:          # argparse's own refusals
+                code = e.code
+    finally:
+        torch.set_num_threads(threads)
+        for h in logging.getLogger().handlers:
+            if h not in handlers:
+                logging.getLogger().removeHandler(h)
+    return code, capsys.readouterr().err
+
+
+def _check_refused(code: int, stderr: str, d: Path, before: set[str], out: Path) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, f"exit {code}\n{stderr[-3000:]}"
+    assert lines and "Traceback" not in stderr, stderr[-3000:]
     assert "error" in lines[-1], lines[-1]
     assert _snapshot(d) == before, f"left behind: {sorted(_snapshot(d) - before)}"
     for suffix in ("", ".jsonl", ".txt"):
         assert not Path(f"{out}{suffix}").exists()
+
+
+def _argv(argv, d: Path, out: Path) -> list[str]:
+    parts = argv.split() if isinstance(argv, str) else argv
+    return [p.format(d=d, o=out) for p in parts]
+
+
+@pytest.mark.parametrize("argv", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_cli_input_is_one_line_and_exit_2(argv, d, request, capsys, monkeypatch):
+    out = d / f"out-{request.node.callspec.id}"
+    before = _snapshot(d)
+    _check_refused(*_run_in_process(_argv(argv, d, out), capsys, monkeypatch), d, before, out)
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_bad_command_line_in_a_subprocess_is_one_line_and_exit_2(case, d):
+    out = d / f"out-sub-{case}"
+    before = _snapshot(d)
+    _check_refused(*_run_subprocess(_argv(dict(CASES)[case], d, out)), d, before, out)
 
 
 # ---------------------------------------------------------------------------------------------- API

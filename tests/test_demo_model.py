@@ -43,7 +43,9 @@ def test_demo_greedy_identical_to_transformers(demo, references, drafter):
     draft = truncated_copy(demo.model, 4) if drafter == "draft-model" else None   # on the target's device
     sm = SelfSpeculativeModel(demo.model, demo.tokenizer, drafter_name=drafter, heads=heads, tree="auto",
                               name=demo.name, draft_model=draft)
-    for ids, ref in references:
+    # Untrained drafts are nearly all rejected, so a step costs more than a plain one: the drafters run on
+    # two of the prompts (the shipped heads, the batch and the compiled tests below run all three).
+    for ids, ref in references if drafter == "none" else references[:2]:
         out = sm.generate(ids, max_new_tokens=N_NEW, do_sample=False)
         assert out.shape == ref.shape and torch.equal(out, ref), f"{drafter} diverged from transformers' greedy"
         stats = sm.last_stats

@@ -50,10 +50,13 @@ def test_eagle_greedy_is_exact_on_every_architecture(arch, one_thread):
             assert stats.drafted >= stats.steps * min(nodes, expand * depth)
 
 
-def test_decoding_reroutes_the_products_of_the_head_copy_that_drafts(one_thread):
+def test_decoding_reroutes_the_products_of_the_head_copy_that_drafts(one_thread, monkeypatch):
     """A head drafting in another dtype (bfloat16 on a CPU that has it) drafts with a converted copy: that
     copy's layers, not the loaded heads', are the ones whose few-row products a CPU decode reroutes."""
+    from selfspec import projection
     from selfspec.projection import FewRowLinears
+
+    monkeypatch.setattr(projection, "emulated", lambda dtype: False)   # as on a CPU with BF16 instructions
 
     model = tiny_model("llama")
     bb = Backbone(model)

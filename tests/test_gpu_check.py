@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.demo
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     # Its processes share one timing store (selfspec/timings.py), as on a GPU box: the first times, the rest read.
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "SELFSPEC_TIMINGS": str(tmp_path / "timings")}
+    # Two threads, or the worker's share of the cores under `make test`'s parallel workers (conftest.py).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "SELFSPEC_TIMINGS": str(tmp_path / "timings")}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--out",
                         str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
