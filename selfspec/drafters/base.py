@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from ..backbone import Backbone
 from ..cache import RowView
-from ..projection import Projection
+from ..projection import Projection, emulated
 from ..sampling import SamplingParams, pick_candidates, probs_from_logits
 from ..settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 from ..tree import Tree, build_tree, prune
@@ -20,8 +20,7 @@ def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
     exactness. On a CPU with BF16 instructions (AVX512-BF16, AMX) a float32 target's drafter drafts
     in bfloat16: its few-row products, a draft-vocabulary LM head above all, run several times
     faster there. Elsewhere the target's dtype."""
-    if device.type == "cpu" and target_dtype == torch.float32 and torch.backends.mkldnn.is_available() \
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if device.type == "cpu" and target_dtype == torch.float32 and not emulated(torch.bfloat16):
         return torch.bfloat16
     return target_dtype
 
