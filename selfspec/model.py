@@ -129,16 +129,18 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
                  draft_vocab=None if draft_vocab is None else draft_vocab.to(p.device))
 
 
-def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1) -> None:
+def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1, prefill_rows: int | None = None) -> None:
     """Time every layout that ``drafter``'s decoding of ``batch`` rows under ``linears`` can meet: the
-    LM head's up to every row's tree, the drafter's own projection, the rerouted layers' products."""
+    LM head's up to every row's tree, the drafter's own projection, the rerouted layers' products (up
+    to the larger of a batch of trees and ``prefill_rows``, the most rows a prefill will run, where
+    the caller knows it; else every row count they reroute)."""
     if batch < 1:
         raise ValueError(f"batch={batch}: layouts are timed for batches of at least one row")
     for proj in (backbone.head, getattr(drafter, "project", None)):
         if proj is not None:
             proj.tune(batch * drafter.max_nodes)
     if isinstance(linears, FewRowLinears):
-        linears.tune()
+        linears.tune(None if prefill_rows is None else max(prefill_rows, batch * drafter.max_nodes))
 
 
 class SelfSpeculativeModel:
@@ -393,7 +395,8 @@ class SelfSpeculativeModel:
         if cost is not None and len(prompts) not in self._tuned_batches:
             # Time the product layouts and the pass's cost prior now, not inside the steps whose times the
             # fitting learns from (a step that timed a layout would look slow, and its width never be tried again).
-            self.tune_layouts(len(prompts))
+            # A later call's longer prefill times its own row counts when it runs, outside the steps.
+            self.tune_layouts(len(prompts), prefill_rows=len(prompts) * longest)
         with self.linears:
             new, stats = decode_rows(self.backbone, self.drafter_for(sampling), [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
@@ -406,13 +409,15 @@ class SelfSpeculativeModel:
         sequences = torch.cat([input_ids.to(dev), tail], dim=1)
         return GenerateOutput(sequences=sequences, stats=stats) if return_dict_in_generate else sequences
 
-    def tune_layouts(self, batch: int = 1) -> None:
+    def tune_layouts(self, batch: int = 1, prefill_rows: int | None = None) -> None:
         """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),
         and the verification pass's cost at every row count up to ``batch`` (budget.py), so that
-        no later call pays for it; decoding otherwise times each on first use. What an earlier
-        process on this machine timed is read back instead, and what this one times is kept (timings.py)."""
+        no later call pays for it; decoding otherwise times each on first use. ``prefill_rows``: the
+        most rows a prefill will run (batch times the longest prompt), where the caller knows it;
+        None times every row count a prefill can be rerouted at. What an earlier process on this
+        machine timed is read back instead, and what this one times is kept (timings.py)."""
         for drafter in self.drafters():
-            tune_layouts(self.backbone, drafter, self.linears, batch=batch)
+            tune_layouts(self.backbone, drafter, self.linears, batch=batch, prefill_rows=prefill_rows)
         self._tuned_batches.update(range(1, batch + 1) if self.step is None else (batch,))
         cost = self._cost(batch)
         with self.linears:   # a static step always runs all ``batch`` rows

@@ -389,12 +389,14 @@ class FewRowLinears:
         self._want: dict[tuple, tuple[bool, ...]] = {}          # (id(layer), rows) -> which of its products to hook
         self._state: dict[int, tuple[bool, ...]] = {}           # id(layer) -> which are hooked now
 
-    def tune(self) -> None:
-        """Time now every row count it reroutes, for every weight shape, and what rerouting costs
-        (decoding would time each on first use)."""
+    def tune(self, max_rows: int | None = None) -> None:
+        """Time now every row count it reroutes (up to ``max_rows``, where the caller knows no forward
+        will run more), for every weight shape, and what rerouting costs (decoding would time each on
+        first use)."""
         routing_cost()
+        top = self.max_rows if max_rows is None else max(1, min(max_rows, self.max_rows))
         for group in self.weights.values():
-            for rows in tuning_rows(self.max_rows):
+            for rows in tuning_rows(top):
                 project(group[0].new_zeros(rows, group[0].shape[1]).normal_(), group[0], timed_on=group)
 
     def _before(self, module: nn.Linear, args):

@@ -231,3 +231,17 @@ def test_methods_all_leaves_out_the_draft_model_methods_when_there_is_no_draft(c
     with pytest.raises(ValueError, match="need --draft-model"):
         check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl",
                                             "--methods", "hf-generate,hf-assisted"]))
+
+
+def test_bench_threads_default_to_the_share_omp_num_threads_gives(monkeypatch):
+    import os
+
+    from selfspec.bench import default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3
+    for unset in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert default_threads() == (os.cpu_count() or 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads() == (os.cpu_count() or 1)

@@ -26,15 +26,36 @@ N_NEW = 64
 pytestmark = pytest.mark.demo
 
 
+class References:
+    """(prompt ids, transformers' greedy output) for each of PROMPTS, each computed on first use: a run
+    that reads one prompt (scripts/gpu_check.sh --quick, a parallel worker) pays for that one."""
+
+    def __init__(self, demo):
+        self.demo = demo
+        self.done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(PROMPTS)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        if i not in self.done:
+            demo = self.demo
+            ids = torch.tensor([prompt_ids(demo.tokenizer, PROMPTS[i], chat=True)], device=demo.model.device)
+            ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
+                                      pad_token_id=demo.tokenizer.eos_token_id)
+            self.done[i] = ids, ref
+        return self.done[i]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
 @pytest.fixture(scope="module")
 def references(demo):
-    out = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt_ids(demo.tokenizer, prompt, chat=True)], device=demo.model.device)
-        ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
-                                  pad_token_id=demo.tokenizer.eos_token_id)
-        out.append((ids, ref))
-    return out
+    return References(demo)
 
 
 @pytest.mark.parametrize("drafter", ["none", "medusa", "early-exit", "eagle", "draft-model"])

@@ -138,6 +138,10 @@ def test_few_row_linears_reroute_few_row_products_of_big_layers_and_nothing_else
         out = model.a(torch.randn(2, 64, generator=g))
     assert out.requires_grad and mode.rerouted == 4
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    # A caller that knows its largest forward (a bench: its longest prefill) times up to that one's bucket.
+    projection.CHOICE.clear()
+    mode.tune(40)
+    assert sorted(k[3] for k in projection.CHOICE) == tuning_rows(40) == list(range(1, MAX_TUNED_ROWS + 1)) + [24, 32, 48]
     mode.tune()
     assert sorted(k[3] for k in projection.CHOICE) == tuning_rows(MAX_LAYER_ROWS)
 

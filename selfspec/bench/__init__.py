@@ -50,7 +50,7 @@ def add_bench_args(p) -> None:
                    help="prompts per generate call (left-padded batches, file order); methods that refuse batches are reported as refused")
     p.add_argument("--compile", action="store_true",
                    help="selfspec's methods verify through a compiled static-shape step (compiled during the warm-up)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS where set, else all cores)")
     p.add_argument("--retime", action="store_true", help=RETIME_HELP)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -121,10 +121,18 @@ def _check_selfspec_flags(args, names: list[str]) -> None:
         check_model_name(str(path))
 
 
+def default_threads() -> int:
+    """--threads' default: ``$OMP_NUM_THREADS`` where it is a positive whole number (the share of the cores a
+    scheduler or a parallel test run gives this process: more threads than cores there only spin),
+    else every core."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(given) if given.isdigit() and int(given) > 0 else (os.cpu_count() or 1)
+
+
 def run_bench_cli(args) -> int:
     names = check_bench_args(args)
     prompts = load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     timings.retime(args.retime)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)

@@ -216,9 +216,10 @@ def run_bench(
     warm = [encoded[p.id] for p in batches[0]]
     longest = max(int(ids.shape[-1]) for ids in encoded.values()) + max_new_tokens
     sizes = sorted({len(b) for b in batches})
+    prefill = max(len(b) * max(int(encoded[p.id].shape[-1]) for p in b) for b in batches)   # left-padded batches
     for m in methods:  # warm-up: kernels, allocator, caches (static caches sized and graphs compiled for the whole run first)
         if hasattr(m.fn, "prepare"):
-            m.fn.prepare(longest, sizes)
+            m.fn.prepare(longest, sizes, prefill)
         try:
             m.fn(warm, min(16, max_new_tokens), generator("warmup"))
         except (ValueError, NotImplementedError) as e:

@@ -154,7 +154,7 @@ def build_methods(
         caches: dict[int, StaticCache] = {}
         size = [512]
 
-        def prepare(positions: int, batch_sizes=()) -> None:
+        def prepare(positions: int, batch_sizes=(), prefill_rows: int | None = None) -> None:
             size[0] = -(-positions // 512) * 512
 
         def fn(batch, n, gen):
@@ -180,19 +180,20 @@ def build_methods(
             out = sm.generate(ids, attention_mask=mask, max_new_tokens=n, generator=gen, pad_token_id=pad, **kw)
             return rows_of(out, ids.shape[1]), sm.last_stats
 
-        def prepare(positions: int, batch_sizes=(1,)) -> None:
-            """Before anything is timed: eager, time every product layout the run's batches can meet;
-            compiled, size the static cache for the run, compile every tree bucket the drafter can
-            fill at every batch size the run has, and time those buckets for width fitting."""
+        def prepare(positions: int, batch_sizes=(1,), prefill_rows: int | None = None) -> None:
+            """Before anything is timed: eager, time every product layout the run's batches can meet
+            (prefills up to ``prefill_rows`` rows, the run's largest); compiled, size the static cache
+            for the run, compile every tree bucket the drafter can fill at every batch size the run
+            has, and time those buckets for width fitting."""
             if sm.step is None:
-                sm.tune_layouts(max(batch_sizes))
+                sm.tune_layouts(max(batch_sizes), prefill_rows)
                 return
             sm.step.reserve(positions)
             drafter = sm.drafter_for(sampling)
             for b in batch_sizes:
                 sm.step.warm_up(batch=b, max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
                 drafter.warm_up(sm.step, batch=b)
-                sm.tune_layouts(b)
+                sm.tune_layouts(b, prefill_rows)
         fn.prepare = prepare
         return fn
 

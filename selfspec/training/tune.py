@@ -191,8 +191,9 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
     i, ``ratios[i]`` its tokens/s over plain decoding's on the same prompt in the same round.
     """
     run = lambda d, prompt, n, seed=0: _run(bb, d, prompt, n, linears, temperature=temperature, seed=seed)  # noqa: E731
+    longest = max(int(p.shape[-1]) for p in prompts)
     for d in drafters:  # warm-up; every product layout a drafter can meet is timed here, not in a timed run
-        tune_layouts(bb, d, linears)
+        tune_layouts(bb, d, linears, prefill_rows=longest)
         run(d, prompts[0], 4)
     runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
     ratios: list[list[float]] = [[] for _ in drafters]
