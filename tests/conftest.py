@@ -26,7 +26,14 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 FIRST = ("test_gpu_check.py::test_gpu_check_dry_run_on_cpu",)
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
+    # The tests on the real demo model run in one worker (`make test`: --dist loadgroup): each worker
+    # that runs one loads the model, computes transformers' references and times the product layouts
+    # (a minute of CPU each), so one worker does it once.
+    for item in items:
+        if "demo" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("demo"))
     items.sort(key=lambda item: not any(item.nodeid.endswith(name) for name in FIRST))   # stable: the rest keep their order
 
 
