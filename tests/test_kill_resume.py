@@ -1,9 +1,11 @@
 """Killed work loses nothing: gen-data, train-heads (every kind) and train-draft, SIGKILLed at random
-moments in real subprocesses and rerun (with --resume where training), end with exactly what an
+moments in processes of their own and rerun (with --resume where training), end with exactly what an
 uninterrupted run produces, and never leave a torn shard or checkpoint behind.
 
-Kill times are drawn (seeded) across the uninterrupted run's own duration, so kills land during
-start-up, data loading, feature caching, training steps and saves alike.
+The runs are forked from a process that imported selfspec already (tests/cli_fork.py), so a run's
+time is its work and not the interpreter's imports. Kill times are drawn (seeded) across the
+uninterrupted run's own duration, so kills land during model and data loading, feature caching,
+training steps and saves alike.
 """
 
 from __future__ import annotations
@@ -11,16 +13,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
-import time
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
+import cli_fork
 from conftest import tiny_model
 
 V = 97
@@ -41,23 +40,24 @@ def _env(home: Path) -> dict:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _log(env: dict) -> Path:
+    logs = Path(env["SELFSPEC_HOME"]).parent / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs / f"{len(list(logs.iterdir())):03d}.log"
+
+
 def _run(argv: list[str], env: dict) -> float:
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "selfspec", *argv], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return time.perf_counter() - t0
+    return cli_fork.run(argv, env, _log(env))
 
 
 def _killed_then_finished(argv: list[str], env: dict, duration: float, rng: random.Random) -> None:
     """Start ``argv`` KILLS times, SIGKILL each at a random moment within ``duration``, then run it to the end."""
     for _ in range(KILLS):
-        p = subprocess.Popen([sys.executable, "-m", "selfspec", *argv], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            p.wait(timeout=rng.uniform(0.3, 0.95) * duration)
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
+        p = cli_fork.start(argv, env, _log(env))
+        p.join(rng.uniform(0.3, 0.95) * duration)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
     _run(argv, env)
 
 
