@@ -66,7 +66,7 @@ def _main(argv: list[str], env: dict, log: str) -> None:
 
 def start(argv: list[str], env: dict, log: Path) -> multiprocessing.Process:
     """Start ``selfspec ARGV`` with environment ``env``; its stdout and stderr go to ``log``."""
-    p = _ctx().Process(target=_main, args=(list(argv), dict(env), str(log)), daemon=True)
+    p = _ctx().Process(target=_main, args=(list(argv), dict(env), str(log)))   # not daemonic: a run may start processes of its own
     p.start()
     return p
 

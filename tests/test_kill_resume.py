@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -50,15 +52,40 @@ def _run(argv: list[str], env: dict) -> float:
     return cli_fork.run(argv, env, _log(env))
 
 
-def _killed_then_finished(argv: list[str], env: dict, duration: float, rng: random.Random) -> None:
-    """Start ``argv`` KILLS times, SIGKILL each at a random moment within ``duration``, then run it to the end."""
-    for _ in range(KILLS):
+def _step(state: Path) -> int:
+    """A training run's last checkpointed step (0 before its first)."""
+    return torch.load(state, map_location="cpu", weights_only=True)["step"] if state.is_file() else 0
+
+
+def _shards(out: Path) -> int:
+    """A gen-data run's finished shards (a torn one is a ``.tmp-`` directory)."""
+    return sum(1 for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")) if out.is_dir() else 0
+
+
+def _killed_then_finished(argv: list[str], env: dict, duration: float, rng: random.Random,
+                          done: Callable[[], int], total: int) -> list[int]:
+    """Start ``argv`` KILLS times, SIGKILL each, then run it to the end. The first kill lands at a random
+    moment within ``duration`` (start-up, loading, anything). The later ones land a random moment after
+    the run's progress ``done()`` (checkpointed steps, finished shards) reaches a drawn count at least 4
+    short of ``total``, so that runs resume from the middle. Returns ``done()`` after each kill."""
+    after = []
+    for i in range(KILLS):
         p = cli_fork.start(argv, env, _log(env))
-        p.join(rng.uniform(0.3, 0.95) * duration)
+        if i == 0:
+            p.join(rng.uniform(0.3, 0.95) * duration)
+        else:
+            target = rng.randrange(min(done() + 1, total - 4), total - 3)   # past where it resumes, if there is room
+            deadline = time.monotonic() + 10 * duration
+            while p.exitcode is None and done() < target and time.monotonic() < deadline:
+                time.sleep(0.005)
+            p.join(rng.uniform(0, 0.02) * duration)   # into the work, or the save, after it
         if p.exitcode is None:
             p.kill()
             p.join()
+        after.append(done())
     _run(argv, env)
+    assert any(0 < n < total for n in after), f"not vacuous: some run must resume from the middle ({after})"
+    return after
 
 
 def _no_temporaries(root: Path) -> None:
@@ -110,7 +137,9 @@ def _rows(directory: Path) -> list[tuple[str, list[int]]]:
 def test_gen_data_killed_at_random_resumes_to_the_same_data(work, data):
     argv = _gen_data(work, work["root"] / "data-killed")
     duration = _run(_gen_data(work, work["root"] / "data-timing"), work["env"])
-    _killed_then_finished(argv, work["env"], duration, random.Random(1))
+    killed = work["root"] / "data-killed"
+    _killed_then_finished(argv, work["env"], duration, random.Random(1), lambda: _shards(killed),
+                          total=_shards(data))
     _no_temporaries(work["root"] / "data-killed")
     assert _rows(work["root"] / "data-killed") == _rows(data)
 
@@ -133,10 +162,10 @@ def test_training_killed_at_random_resumes_to_the_same_weights(kind, work, data)
     straight = work["root"] / f"{kind}-straight"
     duration = _run(argv(straight), work["env"])
     killed = work["root"] / f"{kind}-killed"
-    _killed_then_finished(argv(killed), work["env"], duration, random.Random(zlib.crc32(kind.encode())))
+    _killed_then_finished(argv(killed), work["env"], duration, random.Random(zlib.crc32(kind.encode())),
+                          lambda: _step(killed / "trainer_state.pt"), total=16)
     _no_temporaries(killed)
-    state = torch.load(killed / "trainer_state.pt", map_location="cpu", weights_only=True)
-    assert state["step"] == 16
+    assert _step(killed / "trainer_state.pt") == 16
     a, b = _tensors(straight / "model.safetensors"), _tensors(killed / "model.safetensors")
     assert a.keys() == b.keys()
     for name in a:   # equal only if weights, optimizer moments, schedule and batch order all carried over
