@@ -6,7 +6,8 @@ own. On a small CPU a fresh interpreter spends ~10 s importing transformers befo
 the kill/resume tests mostly time imports and land most of their kills inside them. A forked run starts
 at once, so kills land in the work (data loading, steps, saves) and a SIGKILL is still a SIGKILL.
 
-The server never runs a torch op, so no thread pool exists when it forks.
+The server runs with one OpenMP thread and does nothing but import, so no thread pool exists when it
+forks.
 """
 
 from __future__ import annotations

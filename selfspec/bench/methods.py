@@ -7,6 +7,8 @@ import warnings
 from dataclasses import asdict
 
 import torch
+import transformers
+from packaging.version import Version
 
 from ..backbone import Backbone, config_fingerprint
 from ..heads import load_heads
@@ -16,6 +18,10 @@ from ..corpus import Corpus
 from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS
 from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
+
+# The name generate() takes a cache under: transformers 5.24 renamed past_key_values to cache (the old
+# name warns, and goes in 6.0); earlier 5.x releases know only past_key_values.
+CACHE_KWARG = "cache" if Version(transformers.__version__).release[:2] >= (5, 24) else "past_key_values"
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -168,7 +174,7 @@ def build_methods(
             if cache is None:
                 cache = caches[len(batch)] = StaticCache(config=model.config, max_cache_len=size[0])
             cache.reset()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad, past_key_values=cache,
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad, **{CACHE_KWARG: cache},
                                  compile_config=config, **kw)
             return rows_of(out, ids.shape[1]), None
         fn.prepare = prepare
