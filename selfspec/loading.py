@@ -177,16 +177,18 @@ def gguf_to_cached_dir(gguf: Path, cache_name: str) -> Path:
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    log.warning("converting %s to safetensors (one time, ~20 s) -> %s", gguf.name, out)
+    log.warning("converting %s to safetensors (once; under a minute on a small CPU) -> %s", gguf.name, out)
     kw = dict(gguf_file=gguf.name)
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-        # A GGUF-loaded model cannot be save_pretrained directly; copy its weights into one built from its config.
+        # The config is read once and handed on: every read of a GGUF parses its whole metadata again (the
+        # vocabulary's strings one by one, seconds each time).
         config = AutoConfig.from_pretrained(gguf.parent, **kw)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, config=config, **kw)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, config=config, dtype=torch.float32, **kw)
     except (OSError, ValueError, KeyError, IndexError, RuntimeError) as e:
         raise ModelNotFoundError(f"could not read {gguf}: {_first_line(e)} (is the file complete? re-download it, or "
                                  "use a model directory)") from None
+    # A GGUF-loaded model cannot be save_pretrained directly; copy its weights into one built from its config.
     dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     dst.load_state_dict(src.state_dict())
     dst.generation_config = src.generation_config
