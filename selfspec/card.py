@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .heads import read_heads_config
-from .io import atomic_write_text
+from .io import atomic_write_text, counted
 from .settings import SETTING_KEYS
 
 
@@ -118,7 +118,7 @@ def _search_lines(ts: dict, decode, *, title: str) -> list[str]:
              "Chosen by `selfspec tune-tree` on "
              + (f"{ts['n_prompts']} prompts of {ts['prompts']} the heads never saw (seeded sample, seed "
                 f"{ts.get('seed', 0)}) " if ts.get("prompts") else f"{ts['held_out_prompts']} held-out training prompts ")
-             + f"({ts['max_new_tokens']} new tokens, {how}, {ts['threads']} thread{'' if ts['threads'] == 1 else 's'}), each run interleaved with plain "
+             + f"({ts['max_new_tokens']} new tokens, {how}, {counted(ts['threads'], 'thread')}), each run interleaved with plain "
              "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
              "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
              "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "

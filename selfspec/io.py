@@ -110,6 +110,11 @@ def prompt_ids(tokenizer, prompt: str, *, chat: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless n is 1: "1 thread", "2 threads" (reports and model cards)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend (imported on first use: the CLI starts without it)."""
     import matplotlib

@@ -17,27 +17,13 @@ import multiprocessing.forkserver
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
-PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "datasets", "accelerate", "safetensors.torch",
-           "selfspec.cli", "selfspec.training.train", "selfspec.training.draft", "selfspec.training.data"]
+PRELOAD = ["transformers.modeling_utils", "datasets", "accelerate", "safetensors.torch", "selfspec.cli",
+           "selfspec.training.train", "selfspec.training.draft", "selfspec.training.data"]
 
 _context = None
-
-
-@contextmanager
-def _environ(**values: str):
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _ctx():
@@ -46,7 +32,7 @@ def _ctx():
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         # The server's own environment: one thread, offline, no tokenizer threads (what each run sets too).
-        with _environ(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"):
+        with mock.patch.dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"):
             multiprocessing.forkserver.ensure_running()
         _context = ctx
     return _context

@@ -65,9 +65,10 @@ def _shards(out: Path) -> int:
 def _killed_then_finished(argv: list[str], env: dict, duration: float, rng: random.Random,
                           done: Callable[[], int], total: int) -> list[int]:
     """Start ``argv`` KILLS times, SIGKILL each, then run it to the end. The first kill lands at a random
-    moment within ``duration`` (start-up, loading, anything). The later ones land a random moment after
-    the run's progress ``done()`` (checkpointed steps, finished shards) reaches a drawn count at least 4
-    short of ``total``, so that runs resume from the middle. Returns ``done()`` after each kill."""
+    moment within ``duration`` (start-up, loading, anything). The later ones land as soon as the run's
+    progress ``done()`` (checkpointed steps, finished shards) is seen to reach a drawn count at least 4
+    short of ``total`` (in the steps or the save after it), so that runs resume from the middle. Returns
+    ``done()`` after each kill."""
     after = []
     for i in range(KILLS):
         p = cli_fork.start(argv, env, _log(env))
@@ -77,8 +78,7 @@ def _killed_then_finished(argv: list[str], env: dict, duration: float, rng: rand
             target = rng.randrange(min(done() + 1, total - 4), total - 3)   # past where it resumes, if there is room
             deadline = time.monotonic() + 10 * duration
             while p.exitcode is None and done() < target and time.monotonic() < deadline:
-                time.sleep(0.005)
-            p.join(rng.uniform(0, 0.02) * duration)   # into the work, or the save, after it
+                time.sleep(0.005)   # the kill lands wherever the run is when this finds the target reached
         if p.exitcode is None:
             p.kill()
             p.join()
