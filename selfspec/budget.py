@@ -282,6 +282,7 @@ class VerifyCost:
                 if sweep:
                     seconds[w].append(time.perf_counter() - t)
                 cache.keep(pasts, empty)
+        step.storage.release(cache)
         return {w: statistics.median(s) for w, s in seconds.items()}
 
 

@@ -285,8 +285,11 @@ class StaticStorage:
     never recompiles), and each decode reuses them: prefill overwrites what it reads, and whatever
     lies beyond a row's length is stale and masked, as in any static cache.
 
-    One cache uses a set of buffers at a time: while the cache last handed out for a shape is alive
-    (another decode still running, or a timing run inside one), a request gets fresh buffers."""
+    One cache uses a set of buffers at a time: while the cache last handed out for a shape is in use
+    (another decode still running, or a timing run inside one), a request gets fresh buffers. A cache is
+    in use until its user hands it back (``release``, where a decode or a warm-up ends) or it is
+    garbage; handing back is what counts, since something unrelated (a traceback, a compiler's state)
+    may keep a finished cache's object alive for a while."""
 
     def __init__(self, *, static_address: bool = True):
         self.static_address = static_address
@@ -307,6 +310,13 @@ class StaticStorage:
         cache = KVCache(batch, capacity=capacity, storage=buffers, static_address=self.static_address)
         self._user[shape] = weakref.ref(cache)
         return cache
+
+    def release(self, cache: KVCache) -> None:
+        """``cache`` (one this storage handed out) is done with: the next request of its shape gets its
+        buffers. A cache that had buffers of its own, or was released already, changes nothing."""
+        for shape, user in list(self._user.items()):
+            if user() is cache:
+                del self._user[shape]
 
 
 class SlotWriter:

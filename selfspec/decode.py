@@ -363,6 +363,8 @@ def decode_rows(
     _sync(dev)
     stats.wall_s = time.perf_counter() - t0
     stats.new_tokens = sum(len(x) for x in new)
+    if step is not None:
+        step.storage.release(cache)   # its kept buffers are free for the next decode (``cache.StaticStorage``)
     return new, stats
 
 

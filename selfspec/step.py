@@ -80,6 +80,7 @@ class StaticStep:
             tree = build_tree(tuple((0,) * k for k in range(1, n)), self.backbone.device)
             drafts = [Draft(tree=tree, tokens=torch.zeros(n, dtype=torch.long, device=self.backbone.device))] * batch
             self.verify(self.backbone, cache, [1] * batch, drafts, rows=list(range(batch)), capture=capture)
+        self.storage.release(cache)
 
     def _pass(self, keys, values, tokens, depths, ancestors, lengths, capture: tuple[int, ...]):
         bb = self.backbone

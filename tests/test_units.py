@@ -97,8 +97,10 @@ def test_cache_keep_with_layers_at_different_lengths():
 
 def test_static_storage_hands_its_buffers_to_one_cache_at_a_time():
     """Static caches of one shape reuse the kept buffers (a compiled pass meets the same addresses), each
-    starting empty; a request while the last cache is alive gets buffers of its own; a larger capacity
-    replaces a smaller one; compiled decoding marks the buffers static addresses."""
+    starting empty; a request while the last cache is in use gets buffers of its own; a cache handed back
+    (``release``) frees its buffers even while something still holds it, and handing back a cache with
+    buffers of its own changes nothing; a larger capacity replaces a smaller one; compiled decoding marks
+    the buffers static addresses."""
     storage = kv.StaticStorage(static_address=True)
     k = torch.ones(2, 2, 3, 4)
     first = storage.cache(2, 16)
@@ -108,12 +110,18 @@ def test_static_storage_hands_its_buffers_to_one_cache_at_a_time():
     busy = storage.cache(2, 16)                     # the first is still in use
     busy.update(k, -k, 0)
     assert busy.keys[0].data_ptr() != ptr
-    del first, busy
+    storage.release(busy)                           # not the kept buffers' user: the first stays in use
+    assert storage.cache(2, 16).keys is not first.keys
+    del busy
+    storage.release(first)                          # handed back while still referenced (held here)
     again = storage.cache(2, 16)
-    assert again.keys[0].data_ptr() == ptr and again.lengths == [] and again.get_seq_length() == 0
+    assert again.keys is first.keys and again.keys[0].data_ptr() == ptr and again.lengths == [] \
+        and again.get_seq_length() == 0
     keys, _ = again.update(2 * k, -k, 0)            # its own lengths: writes from slot 0, reads only its slots
     assert keys.shape[2] == 3 and bool((keys == 2).all()) and again.keys[0].data_ptr() == ptr
-    del again
+    assert storage.cache(2, 16).keys is not again.keys   # in use until handed back ...
+    del again, first
+    assert storage.cache(2, 16).keys[0].data_ptr() == ptr   # ... or gone
     bigger = storage.cache(2, 32)
     bigger.allocate(2, 2, 4, dtype=torch.float32, device="cpu")
     assert [tuple(x.shape) for x in bigger.keys] == [(2, 2, 32, 4)] * 2 and list(storage._buffers) == [(2, 32)]

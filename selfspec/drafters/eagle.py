@@ -166,8 +166,10 @@ class EagleDrafter(Drafter):
         """The rows' head caches are the rows of one batched cache, so that a draft level runs all rows in one
         call; a static one (``use_step``) holds the target's static capacity plus one step's head slots."""
         first = drafters[0]
-        for d in drafters:
-            d.cache = None    # the last decode's head cache is done with: its kept buffers are free again
+        for d in drafters:   # the last decode's head cache is done with: its kept buffers are free again
+            if first.static_step is not None and d.cache is not None:
+                first._head_storage.release(d.cache)
+            d.cache = None
         shared = kv.new_cache(len(drafters)) if first.static_step is None else \
             first._head_storage.cache(len(drafters), first._head_capacity())
         for b, (d, s, out) in enumerate(zip(drafters, states, prefills)):
@@ -365,6 +367,7 @@ class EagleDrafter(Drafter):
         for n in sorted({bucket(m) for m in range(1, self._longest_path() + 1)}):   # (no two inputs alias, as in decoding)
             self._static(keys, values, torch.zeros(batch, n, A, dtype=self.dtype, device=dev), idx(n), idx(n), idx(n),
                          idx(n), idx(n)[..., None], True)
+        self._head_storage.release(cache)
 
     def _static_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], x: torch.Tensor, tokens: torch.Tensor,
                      positions: torch.Tensor, slots: torch.Tensor, limit: torch.Tensor, vis: torch.Tensor,
