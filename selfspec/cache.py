@@ -30,6 +30,7 @@ error); without it the buffers grow by doubling, which is what one-off callers w
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,9 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [] if storage is None else storage[0]
         self.values: list[torch.Tensor | None] = [] if storage is None else storage[1]
         self.static_address = static_address
+        # keep()'s moves of accepted paths, where a static step runs them as one pass (``StaticStep.move``);
+        # None: here, a gather per layer
+        self.mover: Callable[[KVCache, list[tuple[int, int, torch.Tensor]]], None] | None = None
         self.lengths: list[list[int]] = []          # [layer][row], on the host: no device sync to read
         self._index: dict = {}                       # (row lengths, n) -> write index, reused across layers
 
@@ -123,7 +127,9 @@ class KVCache:
             m = int(path.shape[0])
             if not bool((path.cpu() == torch.arange(m)).all()):
                 moves.append((b, start, path.to(torch.long)))
-        if moves:
+        if moves and self.mover is not None:
+            self.mover(self, moves)
+        elif moves:
             M = max(int(p.shape[0]) for _, _, p in moves)
             dev = next(k.device for k in self.keys if k is not None)
             # Pad shorter paths by repeating their last offset: the extra writes land past the row's new length.

@@ -49,7 +49,7 @@ class StaticFunction:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()   # a new replay: the previous one's outputs are done with
         out = self._fn(*args)
-        return _copied(out) if self.graphs else out
+        return _copied(out) if self.graphs and out is not None else out
 
 
 def _copied(out):

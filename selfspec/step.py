@@ -53,12 +53,29 @@ class StaticStep:
         self.mode = mode
         self.capacity = 0
         self._forward = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode)
+        self._move = StaticFunction(_move_slots, compile=compile, device=backbone.device, mode=mode)
         self.storage = StaticStorage(static_address=compile)   # the cache buffers every decode reuses
 
     def new_cache(self, batch: int, positions: int) -> KVCache:
         """A static cache of ``batch`` rows with room for ``positions`` tokens (``reserve``), on the buffers
         the step keeps for that shape (``cache.StaticStorage``: a compiled pass meets the same addresses)."""
-        return self.storage.cache(batch, self.reserve(positions))
+        cache = self.storage.cache(batch, self.reserve(positions))
+        cache.mover = self.move
+        return cache
+
+    def move(self, cache: KVCache, moves: list[tuple[int, int, torch.Tensor]]) -> None:
+        """``KVCache.keep``'s moves (row, start, accepted path offsets) in one static pass over every layer
+        (on a GPU one CUDA graph, not a gather per layer): every row of the cache, paths padded to a
+        bucket by repeating their last offset (the extra slots land past the row's new length); a row
+        with nothing to move copies its first slots onto themselves."""
+        M = bucket(max(int(p.shape[0]) for _, _, p in moves))
+        src = torch.arange(M).repeat(cache.batch, 1)
+        dst = src.clone()
+        for b, start, path in moves:
+            src[b] = torch.cat([path.cpu(), path[-1:].cpu().expand(M - path.shape[0])]) + start
+            dst[b] += start
+        dev = next(k.device for k in cache.keys if k is not None)
+        self._move(cache.keys, cache.values, src.to(dev), dst.to(dev))
 
     def function(self, fn) -> StaticFunction:
         """Another static pass (a drafter's), built as this step builds its own."""
@@ -80,6 +97,8 @@ class StaticStep:
             tree = build_tree(tuple((0,) * k for k in range(1, n)), self.backbone.device)
             drafts = [Draft(tree=tree, tokens=torch.zeros(n, dtype=torch.long, device=self.backbone.device))] * batch
             self.verify(self.backbone, cache, [1] * batch, drafts, rows=list(range(batch)), capture=capture)
+            if n > 1:   # the move of an accepted path as long as this bucket (a scratch one: reversed)
+                cache.keep([1] * batch, [torch.arange(n - 1, -1, -1)] * batch)
         self.storage.release(cache)
 
     def _pass(self, keys, values, tokens, depths, ancestors, lengths, capture: tuple[int, ...]):
@@ -126,3 +145,10 @@ class StaticStep:
                 layer[b] = lens[b] + n if b in live else layer[b]
         # The LM head outside the graph, on real nodes only (as eagerly): padding never pays for it.
         return row_outputs(backbone, normed, mid, rows, [d.tree.size for d in drafts])
+
+
+def _move_slots(keys: list[torch.Tensor], values: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Slots src[b] of row b to slots dst[b] (B, M), on every layer's keys and values, in place."""
+    rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
+    for buf in (*keys, *values):
+        buf[rows, :, dst] = buf[rows, :, src]     # the right side is gathered (copied) first

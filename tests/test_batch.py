@@ -550,3 +550,41 @@ def test_static_mask_matches_the_eager_batch_mask():
     assert got.shape == (3, 1, n, capacity)
     assert torch.equal(got[..., :S], want)
     assert bool((got[..., S:] == torch.finfo(torch.float32).min).all())
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["static", "compiled"])
+def test_a_static_steps_path_moves_are_the_per_layer_moves(compile, one_thread):
+    """A static step's cache moves accepted paths into place in one pass over every layer (``StaticStep.move``:
+    paths padded to a bucket, rows with nothing to move copying their first slots onto themselves);
+    each row then holds exactly the slots the per-layer gather leaves, after one step and after another
+    (whatever either leaves past a row's length is stale: the next step's tree overwrites it)."""
+    model = tiny_model("llama")
+    step = StaticStep(Backbone(model), compile=compile)
+    layers, B = model.config.num_hidden_layers, 3
+    attn = model.model.layers[0].self_attn
+    kv_heads, head_dim = model.config.num_key_value_heads, attn.head_dim
+    g = torch.Generator().manual_seed(0)
+    one = step.new_cache(B, 40)
+    one.allocate(layers, kv_heads, head_dim, dtype=torch.float32, device="cpu")
+    plain = KVCache(B, capacity=one.capacity)
+    plain.allocate(layers, kv_heads, head_dim, dtype=torch.float32, device="cpu")
+    assert one.mover is not None and plain.mover is None
+    for buf, ref in zip(one.keys + one.values, plain.keys + plain.values):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+        ref.copy_(buf)
+    steps = [([7, 9, 13], [torch.tensor([0, 2, 5]), torch.tensor([0, 1]), torch.tensor([0, 3])]),   # row 1: a prefix
+             ([10, 11, 15], [torch.tensor([0]), torch.tensor([0, 4, 5, 9, 12]), torch.tensor([0, 1, 2])])]
+    for starts, paths in steps:
+        for buf, ref in zip(one.keys + one.values, plain.keys + plain.values):   # each row's tree: 16 new slots
+            for b, start in enumerate(starts):
+                buf[b, :, start:start + 16] = torch.randn(kv_heads, 16, head_dim, generator=g)
+                ref[b, :, start:start + 16] = buf[b, :, start:start + 16]
+        for c in (one, plain):
+            c.lengths = [[s + 16 for s in starts] for _ in range(layers)]
+            c.keep(starts, paths)
+        assert one.lengths == plain.lengths
+        for b in range(B):
+            n = one.lengths[0][b]
+            for got, want in zip(one.keys + one.values, plain.keys + plain.values):
+                assert torch.equal(got[b, :, :n], want[b, :, :n])
+    assert one.lengths[0] == [10 + 1, 11 + 5, 15 + 3]
