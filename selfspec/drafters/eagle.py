@@ -264,7 +264,8 @@ class EagleDrafter(Drafter):
             best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
             top_scores = scores[-1].gather(1, best)
             if self.threshold > 0:   # every deeper path of a row scores lower still: such a row drafts no further
-                active = [b for b in active if float(top_scores[b, 0]) >= self.log_threshold]
+                row_best = top_scores[:, 0].tolist()   # one read for all rows (on a GPU, one synchronisation)
+                active = [b for b in active if row_best[b] >= self.log_threshold]
                 if not active:
                     break
             top = start + best                                                                  # (R, k) pool ids
