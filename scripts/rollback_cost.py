@@ -18,12 +18,22 @@ import time
 import torch
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _row_counts(text: str) -> list[int]:
+    return [_positive(r.strip()) for r in text.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rows", default="1,8")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--rows", type=_row_counts, default=[1, 8], help="comma list of row counts")
+    ap.add_argument("--threads", type=_positive, default=1)
+    ap.add_argument("--repeats", type=_positive, default=300)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import transformers
@@ -32,7 +42,10 @@ def main() -> None:
     from selfspec.loading import model_config
     from selfspec.step import StaticStep
 
-    config = model_config(a.model)
+    try:
+        config = model_config(a.model)
+    except ValueError as e:
+        ap.error(str(e))
     shape = dict(num_hidden_layers=config.num_hidden_layers, num_key_value_heads=config.num_key_value_heads,
                  head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     # A stand-in with the model's cache shape: the move reads no weights, so a narrow model will do.
@@ -43,7 +56,7 @@ def main() -> None:
     layers, heads, dim = shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
     print(f"{a.model}: {layers} layers x {heads} KV heads x {dim}; a path of 3 accepted nodes out of a tree of 16, "
           f"{a.threads} thread(s), median of {a.repeats}")
-    for rows in (int(r) for r in a.rows.split(",")):
+    for rows in a.rows:
         times = {}
         for way in ("per layer", "one pass", "one pass, compiled"):
             step = StaticStep(backbone, compile=way.endswith("compiled"))

@@ -130,17 +130,10 @@ class KVCache:
         if moves and self.mover is not None:
             self.mover(self, moves)
         elif moves:
-            M = max(int(p.shape[0]) for _, _, p in moves)
+            src, dst = path_slots(moves, max(int(p.shape[0]) for _, _, p in moves))
             dev = next(k.device for k in self.keys if k is not None)
-            # Pad shorter paths by repeating their last offset: the extra writes land past the row's new length.
-            bi = torch.tensor([b for b, _, _ in moves], device=dev)[:, None].expand(-1, M)
-            src = torch.stack([torch.cat([p, p[-1:].expand(M - p.shape[0])]) + s for _, s, p in moves]).to(dev)
-            dst = torch.stack([torch.arange(M) + s for _, s, _ in moves]).to(dev)
-            for i, k in enumerate(self.keys):
-                if k is None:
-                    continue
-                for buf in (k, self.values[i]):
-                    buf[bi, :, dst] = buf[bi, :, src]     # the right side is gathered (copied) first
+            bi = torch.tensor([b for b, _, _ in moves])[:, None].expand_as(src)
+            move_slots(self.keys, self.values, bi.to(dev), src.to(dev), dst.to(dev))
         for layer in self.lengths:
             for b, start, path in zip(rows, starts, paths):
                 if layer[b] > start:
@@ -323,6 +316,25 @@ class StaticStorage:
         for shape, user in list(self._user.items()):
             if user() is cache:
                 del self._user[shape]
+
+
+def path_slots(moves: list[tuple[int, int, torch.Tensor]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst) (len(moves), width) on the host for ``KVCache.keep``'s moves (row, start, path offsets):
+    each path's slots and where they go. Shorter paths repeat their last offset, so the extra writes land
+    past the row's new length."""
+    src = torch.stack([torch.cat([p.cpu(), p[-1:].cpu().expand(width - p.shape[0])]) + s for _, s, p in moves])
+    dst = torch.stack([torch.arange(width) + s for _, s, _ in moves])
+    return src, dst
+
+
+def move_slots(keys: list, values: list, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Slots src[i] of row rows[i] to slots dst[i] (all (R, width)), in every allocated layer's keys and
+    values, in place: the rollback's moves, eagerly or as a static step's one pass (``StaticStep.move``)."""
+    for k, v in zip(keys, values):
+        if k is None:
+            continue
+        for buf in (k, v):
+            buf[rows, :, dst] = buf[rows, :, src]     # the right side is gathered (copied) first
 
 
 class SlotWriter:

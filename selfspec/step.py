@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .backbone import Backbone
-from .cache import KVCache, SlotWriter, StaticStorage
+from .cache import KVCache, SlotWriter, StaticStorage, move_slots, path_slots
 from .decode import _layers, prefill_rows, row_outputs
 from .drafters.base import Draft, TargetOut
 from .static import BUCKETS, StaticFunction, bucket
@@ -53,7 +53,7 @@ class StaticStep:
         self.mode = mode
         self.capacity = 0
         self._forward = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode)
-        self._move = StaticFunction(_move_slots, compile=compile, device=backbone.device, mode=mode)
+        self._move = StaticFunction(move_slots, compile=compile, device=backbone.device, mode=mode)
         self.storage = StaticStorage(static_address=compile)   # the cache buffers every decode reuses
 
     def new_cache(self, batch: int, positions: int) -> KVCache:
@@ -71,11 +71,11 @@ class StaticStep:
         M = bucket(max(int(p.shape[0]) for _, _, p in moves))
         src = torch.arange(M).repeat(cache.batch, 1)
         dst = src.clone()
-        for b, start, path in moves:
-            src[b] = torch.cat([path.cpu(), path[-1:].cpu().expand(M - path.shape[0])]) + start
-            dst[b] += start
+        moved = torch.tensor([b for b, _, _ in moves])
+        src[moved], dst[moved] = path_slots(moves, M)
         dev = next(k.device for k in cache.keys if k is not None)
-        self._move(cache.keys, cache.values, src.to(dev), dst.to(dev))
+        rows = torch.arange(cache.batch)[:, None].repeat(1, M)
+        self._move(cache.keys, cache.values, rows.to(dev), src.to(dev), dst.to(dev))
 
     def function(self, fn) -> StaticFunction:
         """Another static pass (a drafter's), built as this step builds its own."""
@@ -145,10 +145,3 @@ class StaticStep:
                 layer[b] = lens[b] + n if b in live else layer[b]
         # The LM head outside the graph, on real nodes only (as eagerly): padding never pays for it.
         return row_outputs(backbone, normed, mid, rows, [d.tree.size for d in drafts])
-
-
-def _move_slots(keys: list[torch.Tensor], values: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Slots src[b] of row b to slots dst[b] (B, M), on every layer's keys and values, in place."""
-    rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
-    for buf in (*keys, *values):
-        buf[rows, :, dst] = buf[rows, :, src]     # the right side is gathered (copied) first
