@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from selfspec.cli import COMMANDS
 
 V = 97
 
@@ -248,6 +249,19 @@ def test_bad_command_line_in_a_subprocess_is_one_line_and_exit_2(case, d):
     out = d / f"out-sub-{case}"
     before = _snapshot(d)
     _check_refused(*_run_subprocess(_argv(dict(CASES)[case], d, out)), d, before, out)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_prints_its_help(command, capsys):
+    """``selfspec COMMAND --help`` prints every option's help and exits 0 (argparse formats help
+    strings with %, so a stray percent sign crashes the help of that command alone)."""
+    from selfspec.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--" in out, out[:500]
 
 
 # ---------------------------------------------------------------------------------------------- API

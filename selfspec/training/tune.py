@@ -398,7 +398,7 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
     p.add_argument("--tolerance", type=float, default=TUNE_TOLERANCE,
                    help="candidates within this fraction of the best speedup count as tied; of them the one with the "
-                        f"highest tau wins (taus within {TAU_TOLERANCE:.0%} tied: the one verifying the fewest rows per "
+                        f"highest tau wins (taus within {TAU_TOLERANCE * 100:.0f}%% tied: the one verifying the fewest rows per "
                         f"step) (default {TUNE_TOLERANCE})")
     p.add_argument("--finalists", type=int, default=FINALISTS,
                    help=f"re-time this many of the fastest candidates on --prompts-n other prompts and pick among "
