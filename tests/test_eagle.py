@@ -487,6 +487,35 @@ def test_train_eagle_head_learns_and_stays_exact(tmp_path, one_thread):
         assert new == ref
 
 
+def test_an_eagle_head_with_its_own_lm_head_trains_stores_and_reloads_it(tmp_path, one_thread):
+    """--shared-lm-head false: the draft vocabulary's LM-head rows start as the target's, train with the
+    rest, are stored, and come back on load (not replaced by the target's rows); output stays exact."""
+    from selfspec.training.train import TrainConfig, train_heads
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(16):
+        prompt = torch.randint(3, 97, (6,), generator=g)
+        rows.append((hf_greedy(model, prompt[None], 16)[0].tolist(), 6))
+    config = TrainConfig(kind="eagle", steps=8, lr=3e-3, warmup=1, batch_size=8, eval_every=8, save_every=8,
+                         draft_vocab_size=64, ttt_steps=2, eval_fraction=0.1, shared_lm_head=False,
+                         out=str(tmp_path / "eagle"))
+    train_heads(model, distill_dataset(rows), config=config, name="tiny", eos_token_ids=[], progress=False)
+    heads = load_heads(tmp_path / "eagle", expect_kind="eagle", fingerprint=config_fingerprint(model.config), model=model)
+    assert heads.config.shared_lm_head is False
+    target_rows = model.lm_head.weight.detach().index_select(0, heads.draft_vocab)
+    from safetensors.torch import load_file
+
+    stored = load_file(tmp_path / "eagle" / "model.safetensors")["lm_head.weight"]
+    assert not torch.allclose(stored.float(), target_rows), "the LM head did not train"
+    assert torch.equal(heads.module.lm_head.weight.detach(), stored.to(heads.module.lm_head.weight.dtype))
+    bb = Backbone(model)
+    ids = torch.tensor([rows[0][0][:6]])
+    new, _ = _decode(bb, EagleDrafter(bb, heads, depth=3, expand=2, nodes=4), ids, n=20)
+    assert new == hf_greedy(model, ids, 20)[0, 6:].tolist()
+
+
 def test_eval_heads_scores_an_eagle_head_per_draft_step(one_thread):
     from selfspec.training.evaluate import eagle_rank_accuracy
     from selfspec.training.tasks.eagle import ttt_loss

@@ -278,7 +278,23 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              "head_mlp": "medusa: comma-separated widths of an extra residual MLP per head (e.g. 1024,1024: heads 1 and 2; empty: none)",
              "mixed_precision": "auto (bf16 on CUDA, none on CPU) | no | bf16 (bf16 on a CPU with AVX512-BF16 or AMX: ~1.7x faster eagle steps here)",
              "group_by_length": GROUP_BY_LENGTH_HELP,
-             "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)"}
+             "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)",
+             "num_heads": "medusa: heads, one per draft depth",
+             "shared_lm_head": "eagle: true scores with the target's own LM-head rows, frozen and not stored; false trains "
+                               "the draft vocabulary's rows too (starting from the target's) and stores them",
+             "loss_rows": "eagle: response (answer rows only) | all (the prompt's rows too)",
+             "steps": "optimizer steps", "lr": "peak learning rate (AdamW)", "warmup": "linear warm-up steps, then cosine decay to 0",
+             "weight_decay": "AdamW weight decay", "batch_size": "sequences per micro-batch (per process)",
+             "grad_accum": "micro-batches per optimizer step", "max_len": "longer sequences keep their last max_len tokens",
+             "head_weight_base": "loss weight base: medusa head k (eagle: unrolled step k) weighs base**k",
+             "eval_fraction": "share of the sequences held out for evaluation", "eval_every": "steps between held-out evaluations",
+             "save_every": "steps between checkpoints (atomic; --resume continues from the last)",
+             "seed": "seeds the held-out split, the batches and the initial weights",
+             "exit_adapter": "early-exit: mlp (residual MLP) | layer (a decoder layer initialised from the exit layer)",
+             "exit_intermediate": "early-exit mlp width (0 = the hidden size)",
+             "cache_features": "one backbone pass up front, kept on disk (medusa, early-exit; eagle runs the target in each step)",
+             "save_dtype": "float32 | float16 | bfloat16: storage dtype of model.safetensors (resume state stays float32)",
+             "out": "output heads directory"}
     for f in dataclasses.fields(TrainConfig):
         default = getattr(d, f.name)
         typ = {"int | None": int, "str | None": str}.get(str(f.type), type(default) if default is not None else int)
