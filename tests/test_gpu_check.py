@@ -20,8 +20,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     # Its processes share one timing store (selfspec/timings.py), as on a GPU box: the first times, the rest read.
     # Two threads, or the worker's share of the cores under `make test`'s parallel workers (conftest.py).
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "SELFSPEC_TIMINGS": str(tmp_path / "timings")}
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--out",
-                        str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    # A narrow --wide-tree: the dry run checks the script's path for it; a 64-node tree would add a minute of
+    # CPU (the default's bucket-filling tree is checked by test_wide_eagle_default_fills_the_largest_bucket)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--wide-tree",
+                        "dynamic-3-2-3", "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     out = tmp_path / "out"
     assert json.loads((out / "env.json").read_text())["device"] == "cpu"
@@ -33,7 +36,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     wide = f"selfspec-eagle@{out / 'eagle-wide'}"
     assert len(checked) == 4 and wide in checked and all(checked.values()), checked
     trees = {v for k, v in res["config"]["heads"].items() if "eagle-wide" in k and k.endswith("_tree")}
-    assert trees == {"dynamic-10-8-51"}, res["config"]["heads"]   # 51 nodes + 12 copied + the root: 64
+    assert trees == {"dynamic-3-2-3"}, res["config"]["heads"]
     assert not (out / "eagle-wide").exists()
     assert not (out / "bf16").exists()
     batched = json.loads((out / "bf16-batch8" / "results.json").read_text())
@@ -46,6 +49,21 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "tpu"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "cuda or cpu" in r.stderr
+
+
+def test_wide_eagle_default_fills_the_largest_bucket():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wide_eagle", ROOT / "scripts" / "wide_eagle.py")
+    wide = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wide)
+    # 51 drafted nodes + 12 copied tokens + the root = 64 rows; without the lookup, 63 drafted nodes
+    decode = wide.wide_settings("default", 12, 64)
+    assert (decode["tree"], decode["lookup"], decode["threshold"]) == ("dynamic-10-8-51", 12, 0.0)
+    assert (decode["without_lookup"]["tree"], decode["without_lookup"]["lookup"]) == ("dynamic-10-8-63", 0)
+    assert wide.wide_settings("dynamic-5-4-8", 8, 64)["tree"] == "dynamic-5-4-8"
+    with pytest.raises(ValueError, match="depth"):
+        wide.wide_settings("dynamic-0-1-1", 8, 64)
 
 
 @pytest.mark.parametrize("args, message", [
