@@ -109,7 +109,8 @@ mkdir -p "$OUT"
 echo "== gpu_check on $DEVICE ($SLUG), reports in $OUT"
 WIDE_DIR=""
 if [ "$WIDE" != none ]; then
-    WIDE_DIR="$OUT/eagle-wide"   # removed at the end, as the draft is
+    WIDE_DIR="$OUT/eagle-wide"   # a 10 MB copy: removed however the script ends, never left among the reports
+    trap 'rm -rf "$WIDE_DIR"' EXIT
     line=$("$PY" scripts/wide_eagle.py "$WIDE_DIR" "$WIDE")
     echo "== wide tree: $line"
 fi
@@ -198,5 +199,5 @@ for i in "${!CNAMES[@]}"; do
     rm -f "$log"
 done
 fi
-[ -z "$WIDE_DIR" ] || rm -rf "$WIDE_DIR"
+[ -z "$WIDE_DIR" ] || rm -rf "$WIDE_DIR"   # before listing the reports (the trap removes it on any exit)
 echo "== done: $OUT ($(cd "$OUT" && ls -d -- * | tr '\n' ' '| sed 's/ $//'))"
