@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,12 @@ _IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id", "num_beams", "nu
 def _prompt_rows(input_ids, attention_mask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """generate()'s input -> (each row's unpadded prompt, the (B, T) ids the output starts with;
     None for a list of prompts, which the caller left-pads)."""
+    if isinstance(input_ids, Mapping):   # what a tokenizer returns (transformers 5's apply_chat_template too)
+        if "input_ids" not in input_ids:
+            raise ValueError("generate() got a mapping without 'input_ids': pass a tokenizer's output or the ids themselves")
+        if attention_mask is None:
+            attention_mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
     if input_ids is None:
         raise ValueError("generate() needs input_ids (tokenize your prompt first)")
     if isinstance(input_ids, (list, tuple)) and input_ids and not isinstance(input_ids[0], int):
@@ -347,7 +354,8 @@ class SelfSpeculativeModel:
         input_ids: (T,) or (B, T), with ``attention_mask`` marking padding (left padding, as a
         tokenizer with ``padding_side="left"`` gives it; right padding works too), or a list of
         prompts of different lengths (lists or 1-D tensors; they come back left-padded with
-        ``pad_token_id``). Rows that finish early are padded on the right with ``pad_token_id``, as
+        ``pad_token_id``), or a tokenizer's output whole (a mapping with ``input_ids`` and
+        ``attention_mask``, as transformers 5's ``apply_chat_template`` returns). Rows that finish early are padded on the right with ``pad_token_id``, as
         transformers pads them. Every row's tokens are exactly the plain model's for that prompt
         alone (greedy), or follow its distribution (sampling). Pass ``generator=`` for reproducible
         sampling. Stats, summed over rows, go to ``last_stats``.

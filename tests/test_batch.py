@@ -400,6 +400,14 @@ def test_generate_takes_left_padded_batches_and_lists(one_thread):
     listed = sm.generate([p.tolist() for p in prompts], max_new_tokens=12)
     assert [listed[b, T:].tolist() for b in range(3)] == ref and torch.equal(listed[:, :T], ids)
     assert sm.last_stats.new_tokens == 36
+    # A tokenizer's output whole (a BatchEncoding: what transformers 5's apply_chat_template returns).
+    from transformers import BatchEncoding
+
+    encoded = BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    assert torch.equal(sm.generate(encoded, max_new_tokens=12), listed)
+    assert torch.equal(sm.generate(**encoded, max_new_tokens=12), listed)
+    with pytest.raises(ValueError, match="without 'input_ids'"):
+        sm.generate({"attention_mask": mask}, max_new_tokens=12)
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -159,3 +159,30 @@ def test_demo_compiled_step_identical_to_transformers(demo, references):
         alone = ref[0, prompt.shape[1]:].tolist()
         assert out[b, T:T + len(alone)].tolist() == alone, f"compiled: row {b} differs from its prompt alone"
     assert sm.last_stats.tau > 1.05 and sm.drafter._static is not None and sm.drafter._static.compiled
+
+
+def test_demo_readme_python_examples_run_and_are_exact(demo, capsys):
+    """The README's Python blocks, run as a user would paste them (with this run's device and float32, and
+    the first block's 128 new tokens cut to N_NEW): they run on the installed transformers (whose
+    ``apply_chat_template`` returns a mapping since 5.0) and give transformers' greedy tokens."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert len(blocks) >= 2, "the README lost its Python examples"
+    load = 'from_pretrained("smollm2-135m")'
+    assert load in blocks[0] and "max_new_tokens=128" in blocks[0]
+    first = blocks[0].replace(load, f'from_pretrained("smollm2-135m", device="{demo.model.device}", dtype=torch.float32)')
+    first = first.replace("max_new_tokens=128", f"max_new_tokens={N_NEW}")
+    scope = {"torch": torch}
+    exec(first, scope)
+    sm, inputs, out = scope["sm"], scope["inputs"], scope["out"]
+    ref = demo.model.generate(**inputs.to(demo.model.device), max_new_tokens=N_NEW, do_sample=False,
+                              pad_token_id=demo.tokenizer.eos_token_id)
+    assert torch.equal(out, ref), "the README's first example diverged from transformers' greedy"
+    assert capsys.readouterr().out.strip(), "the README's first example printed nothing"
+    exec(blocks[1], scope)          # the batch example, with the same ``sm`` (batch exactness: the test above)
+    batch, out = scope["batch"], scope["out"]
+    T = batch["input_ids"].shape[1]
+    assert out.shape[0] == 2 and out.shape[1] > T and torch.equal(out[:, :T], batch["input_ids"].to(out.device))
