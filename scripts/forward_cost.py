@@ -33,6 +33,7 @@ def main() -> None:
     from selfspec.backbone import Backbone
     from selfspec.loading import load_model
     from selfspec.projection import few_row_linears
+    from selfspec.bench.methods import CACHE_KWARG
     from transformers import DynamicCache
 
     model = load_model(a.model).model
@@ -44,7 +45,8 @@ def main() -> None:
     with torch.no_grad():
         # transformers' forward on its own DynamicCache; selfspec's layers on selfspec's KVCache
         hf_cache = DynamicCache(config=model.config)
-        model(prefix, past_key_values=hf_cache, use_cache=True)
+        cache_kw = CACHE_KWARG            # "cache" in transformers >= 5.24, "past_key_values" before
+        model(prefix, **{cache_kw: hf_cache}, use_cache=True)
         cache = kv.new_cache()
         bb.run_layers(bb.embed(prefix[0]), start=0, end=bb.num_layers, position_ids=torch.arange(a.context)[None],
                       attention_mask=None, cache=cache)
@@ -56,7 +58,7 @@ def main() -> None:
             kv.truncate(cache, a.context)
             t = {"hf": [], "ours": [], "linear": [], "head": []}
             for _ in range(a.repeats):
-                for name, fn in (("hf", lambda: model(x, past_key_values=hf_cache, use_cache=True)),
+                for name, fn in (("hf", lambda: model(x, **{cache_kw: hf_cache}, use_cache=True)),
                                  ("ours", lambda: _ours(bb, linears, x, cache, a.context)),
                                  ("linear", lambda: F.linear(h, bb.lm_head.weight)),
                                  ("head", lambda: bb.logits(h))):

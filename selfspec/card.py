@@ -267,7 +267,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               + (" (the frozen target runs inside every step)" if kind == "eagle" else
                  " (the one-off backbone feature pass not included)"),
               *_init_lines(extra.get("init")),
-              f"- held-out (train-split prompts never trained on) top-1 / top-5 by head: "
+              f"- held-out (train-split prompts never trained on) top-1 / top-5 by {'draft step' if kind == 'eagle' else 'head'}: "
               f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
               f"count, which also scores deeper heads from the prompt's last positions)", ""]
     from .training.tune import recorded_search

@@ -475,6 +475,7 @@ def test_train_eagle_head_learns_and_stays_exact(tmp_path, one_thread):
     first, last = result.evals[0], result.evals[-1]
     # A random tiny target is hard to predict two tokens ahead: the loss must fall, and every step's top-5 rise.
     assert last.loss < 0.7 * first.loss and all(b > a for a, b in zip(first.top5, last.top5))
+    assert "top-1/top-5 by draft step:" in last.line()   # its columns are unrolled draft steps, not heads
     heads = load_heads(tmp_path / "eagle", expect_kind="eagle", fingerprint=config_fingerprint(model.config), model=model)
     # The LM head is the target's own (shared, not stored): the file holds the rest only.
     assert (tmp_path / "eagle" / "model.safetensors").stat().st_size < 4 * sum(

@@ -34,13 +34,14 @@ log = logging.getLogger(__name__)
 class EvalResult:
     step: int
     loss: float
-    top1: list[float]  # per head
+    top1: list[float]  # per head (EAGLE: per draft step)
     top5: list[float]
     tokens: int
+    by: str = "head"   # what the columns are: "head", or "draft step" for an EAGLE head's unrolled steps
 
     def line(self) -> str:
         acc = " ".join(f"{a:.1%}/{b:.1%}" for a, b in zip(self.top1, self.top5))
-        return f"eval step {self.step}: loss {self.loss:.4f}, top-1/top-5 by head: {acc} ({self.tokens} positions)"
+        return f"eval step {self.step}: loss {self.loss:.4f}, top-1/top-5 by {self.by}: {acc} ({self.tokens} positions)"
 
 
 @dataclass

@@ -131,6 +131,7 @@ class EagleTask(HeadsTask):
 
     lead = 0
     caches_features = False
+    eval_columns = "draft step"
 
     def loss(self, module, batch, *, features=None) -> HeadLoss:
         dev = self.device

@@ -114,6 +114,7 @@ class HeadsTask(Task):
 
     reads_exit_layer: ClassVar[bool] = False  # whether head_loss needs the states after the exit layer
     caches_features: ClassVar[bool] = True    # whether the one-off feature cache (final + exit layer) serves its loss
+    eval_columns: ClassVar[str] = "head"      # what its per-column held-out scores are (EvalResult.by)
 
     @abstractmethod
     def head_loss(self, module: torch.nn.Module, states: TargetPass) -> HeadLoss:
@@ -144,7 +145,7 @@ class HeadsTask(Task):
         denom = count.clamp(min=1)
         # Each head's loss over all held-out positions at once: the same number whatever the batch size.
         return EvalResult(step=step, loss=float((terms / denom).sum()), top1=(correct1 / denom).tolist(),
-                          top5=(correct5 / denom).tolist(), tokens=int(count[0]))
+                          top5=(correct5 / denom).tolist(), tokens=int(count[0]), by=self.eval_columns)
 
     def state_entries(self, module) -> dict:
         entries = {"heads": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
