@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4,5,8,16")
     ap.add_argument("--repeats", type=int, default=15)
     a = ap.parse_args()
+    if a.repeats < 4:
+        ap.error("--repeats must be at least 4: the first 3 of each are warm-up, not timed")
     torch.set_num_threads(a.threads)
     from selfspec import cache as kv
     from selfspec.backbone import Backbone
