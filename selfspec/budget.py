@@ -28,6 +28,18 @@ on tokens drawn elsewhere in the tree (an ancestor's, a sibling's subtree), whic
 independent of the acceptance at that node: the same as deciding how many children to draw before
 drawing them. ``tests/test_batch.py`` checks the output distribution with every width cut.
 
+Drafting itself is priced too, where it comes in stages. The EAGLE head drafts its tree level by
+level, each level one head call: on the 2-core AVX2 CPU about 8% of a one-token pass, on a GPU a
+small share of a step whose pass costs the same for 1 or 64 nodes. So before each level the drafter
+asks ``level_pays``: with the nodes drafted so far, the step's best rate is its best width's expected
+tokens over (the pass's cost + the seconds drafted so far); the next level is expected to add the
+current level's best nodes' chances times what a child kept of its parent's chance at the last
+level, and costs what the last levels at this row count measured (the fastest of the last three). If
+the rate with those nodes, after paying for the level, is not higher, drafting stops. On that CPU
+this stops most trees after a level or two; where verifying is flat and levels are cheap it lets a
+confident tree grow to its depth. Like the cut, it never changes what acceptance commits, and when
+sampling it reads only the scores a node has before its token is drawn (rank scores, below).
+
 The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
 and the widest, once per machine and model at the batch sizes met (kept for later processes by
 ``timings.py``; the bench does it before timing anything, as it does the product layouts), then what
@@ -64,11 +76,9 @@ def path_p(draft: Draft) -> torch.Tensor:
     return draft.path_p.float().cpu() if draft.path_p is not None else prior_path_p(draft.tree).cpu()
 
 
-def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
-    """The width w (1 .. len(cost)) maximising sum_b (1 + the w - 1 largest of chances[b]) / cost[w - 1].
-
-    chances[b]: row b's node chances, root excluded; cost[w - 1]: seconds of a pass at width w.
-    A pure function; ties go to the narrower width."""
+def _rates(chances: list[torch.Tensor], cost: list[float], extra: float = 0.0) -> torch.Tensor:
+    """rate[w - 1] = sum_b (1 + the w - 1 largest of chances[b]) / (cost[w - 1] + extra), for w = 1 .. the
+    widest the chances fill (at most len(cost))."""
     top = max((c.numel() for c in chances), default=0)
     widest = min(top + 1, len(cost))
     gain = torch.zeros(widest)   # gain[w - 1]: expected tokens of the batch at width w
@@ -77,8 +87,29 @@ def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
         gain[1: 1 + s.numel()] += s
         gain[1 + s.numel():] += s[-1] if s.numel() else 0.0
     gain += len(chances)
-    rate = gain / torch.tensor(cost[:widest], dtype=torch.float32)
-    return int(torch.argmax(rate)) + 1   # argmax returns the first maximum: the narrowest
+    return gain / (torch.tensor(cost[:widest], dtype=torch.float32) + extra)
+
+
+def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
+    """The width w (1 .. len(cost)) maximising sum_b (1 + the w - 1 largest of chances[b]) / cost[w - 1].
+
+    chances[b]: row b's node chances, root excluded; cost[w - 1]: seconds of a pass at width w.
+    A pure function; ties go to the narrower width."""
+    return int(torch.argmax(_rates(chances, cost))) + 1   # argmax returns the first maximum: the narrowest
+
+
+def level_pays(chances: list[torch.Tensor], children: list[torch.Tensor], cost: list[float], *,
+               spent: float, level: float) -> bool:
+    """Whether drafting one more tree level is expected to raise the step's tokens per second.
+
+    chances[b]: row b's drafted nodes' chances so far (root excluded); children[b]: the chances expected
+    of the nodes the next level would add; cost[w - 1]: seconds of the step's pass at width w; spent:
+    seconds drafted so far this step; level: seconds one more level costs. The step's rate is its
+    best width's expected tokens over (pass + drafting); the level pays where that rate with the
+    children, after paying for the level, beats the rate without them. A pure function."""
+    now = float(_rates(chances, cost, spent).max())
+    after = float(_rates([torch.cat([c, n]) for c, n in zip(chances, children)], cost, spent + level).max())
+    return after > now
 
 
 def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:

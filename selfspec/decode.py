@@ -314,6 +314,7 @@ def decode_rows(
         verify = lambda live, pasts, drafts: step.verify(backbone, cache, pasts, drafts, rows=live,  # noqa: E731
                                                          capture=drafter.capture_layers)
     drafter.use_step(step)
+    drafter.use_cost(cost, None if step is None else B)
     drafters = [drafter] + [copy.copy(drafter) for _ in range(B - 1)]
     states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator)
               for b, p in enumerate(prompts)]

@@ -448,6 +448,14 @@ class _CyclingWidths:
     def observe(self, rows, width, seconds):
         pass
 
+    def table(self, rows, width):
+        """Prices for the EAGLE head's level stop (``budget.level_pays``), in turn: a slow flat pass (a level
+        of the tiny head always pays), fast passes growing gently to steeply with the width (it rarely
+        or never pays), so that trees stop at every depth."""
+        self.tables = getattr(self, "tables", 0) + 1
+        base, slope = ((1.0, 0.0), (1e-3, 0.3), (1e-3, 1.0), (1e-3, 5.0))[self.tables % 4]
+        return [base * (1.0 + slope * (w - 1)) for w in range(1, width + 1)]
+
 
 class _OneNode(_CyclingWidths):
     """Every step cut to the root and one node: where a cut that prefers a later-drawn sibling biases most."""
@@ -484,10 +492,16 @@ def _sampling_setup():
 
 
 @pytest.mark.parametrize("fitted", ["whole", "fitted", "one-node"])
-def test_sampling_in_a_batch_is_lossless(fitted, one_thread):
+def test_sampling_in_a_batch_is_lossless(fitted, one_thread, monkeypatch):
     """Sampled rows of a batch (EAGLE's beams plus copied chains) keep the target's distribution; fitted:
-    with every step's trees cut to a width that cycles through every size (width fitting's cuts);
+    with every step's trees cut to a width that cycles through every size (width fitting's cuts), and
+    the head's drafting stopped at levels priced to stop at every depth (``budget.level_pays``);
     one-node: every tree cut to its root and one node."""
+    from selfspec import budget
+
+    decided = []
+    real = budget.level_pays
+    monkeypatch.setattr(budget, "level_pays", lambda *a, **k: decided.append(real(*a, **k)) or decided[-1])
     model, bb, params, prompts, drafter = _sampling_setup()
     cost = {"whole": None, "fitted": _CyclingWidths(), "one-node": _OneNode()}[fitted]
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, cost=cost)
@@ -496,6 +510,9 @@ def test_sampling_in_a_batch_is_lossless(fitted, one_thread):
         assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
     if cost is not None:
         assert cost.cut > N // 4, "not vacuous: many rows' trees were cut"
+        assert decided.count(True) > 5 and decided.count(False) > 5, "not vacuous: levels both drafted and stopped"
+    else:
+        assert not decided, "without width fitting nothing prices the head's levels"
 
 
 def test_sampling_check_catches_a_cut_that_reads_the_drawn_tokens(one_thread, monkeypatch):

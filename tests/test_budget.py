@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from selfspec.backbone import Backbone
-from selfspec.budget import VerifyCost, best_width, path_p, trim, verify_cost
+from selfspec.budget import VerifyCost, best_width, level_pays, path_p, trim, verify_cost
 from selfspec.decode import decode_rows
 from selfspec.drafters import LookupDrafter
 from selfspec.drafters.base import DecodeState, Draft, Resume, layout_path_p, prior_path_p
@@ -31,6 +31,26 @@ def test_best_width_weighs_expected_tokens_against_cost():
     assert best_width([torch.tensor([])] * 2, [1.0, 1.0, 1.0]) == 1   # nothing drafted
     # a tie goes to the narrower width
     assert best_width([torch.tensor([1.0])], [1.0, 2.0]) == 1
+
+
+def test_a_draft_level_pays_where_its_expected_tokens_outweigh_its_seconds():
+    drafted = [torch.tensor([0.8, 0.5])]
+    children = [torch.tensor([0.4, 0.1])]
+    flat = [1.0] * 8                                   # a GPU: any width up to 8 costs one pass
+    steep = [1.0 + 0.5 * (w - 1) for w in range(1, 9)]
+    # Flat cost, a cheap level: 2.3 tokens in 1.05 s now (2.19/s); 2.8 in 1.1 s with the level (2.55/s).
+    assert level_pays(drafted, children, flat, spent=0.05, level=0.05)
+    # The same level costing half a pass: 2.8 / 1.55 = 1.81/s.
+    assert not level_pays(drafted, children, flat, spent=0.05, level=0.5)
+    # Steep cost: the best width is 2 now (1.8 / 1.55 = 1.16/s); the children would only join at width 4 or
+    # more, which costs more than they bring, so even a nearly free level does not pay.
+    assert not level_pays(drafted, children, steep, spent=0.05, level=0.01)
+    # Nothing expected of the next level: never pays.
+    assert not level_pays(drafted, [torch.tensor([])], flat, spent=0.0, level=1e-6)
+    # A batch: the rows' expected tokens add up, one level serves them all.
+    two = [torch.tensor([0.8, 0.5]), torch.tensor([0.9])]
+    assert level_pays(two, [torch.tensor([0.3]), torch.tensor([0.6])], flat, spent=0.0, level=0.2)
+    assert not level_pays(two, [torch.tensor([0.03]), torch.tensor([0.06])], flat, spent=0.0, level=0.2)
 
 
 def test_trim_keeps_the_likeliest_nodes_as_a_tree():

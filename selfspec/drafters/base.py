@@ -99,6 +99,11 @@ class Drafter:
         """Called before a decode with its static verify step (``step.StaticStep``, ``compile=True``) or
         None (eager). A drafter that runs passes of its own may run them at static shapes to match."""
 
+    def use_cost(self, cost, rows: int | None = None) -> None:
+        """Called before a decode with width fitting's prices (``budget.VerifyCost``; None: no fitting) and
+        the rows its passes run (a static step's, else None: the live rows). A drafter that drafts in
+        stages may stop where another stage would not pay on this machine."""
+
     def warm_up(self, step, *, batch: int = 1) -> None:
         """Compile now whatever static passes of its own decoding batches of ``batch`` rows with ``step``
         will run (a benchmark's warm-up calls it, so that no compilation falls in a timed run)."""

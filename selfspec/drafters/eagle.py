@@ -18,7 +18,10 @@ The tree, per step (EAGLE-2):
   one call, and each proposes ``expand`` children;
 * finally, greedy keeps the ``nodes`` best nodes of all drafted (path probabilities; a child never
   outscores its parent, so the kept set is a tree), and cuts those below ``threshold``; drafting
-  stops early at a level whose best path is already below it (on a CPU each level costs a head call).
+  stops early at a level whose best path is already below it (on a CPU each level costs a head call),
+  and, with width fitting on (``use_cost``), at a level not expected to pay on this machine:
+  ``budget.level_pays`` weighs the tokens it is expected to add against its measured seconds and the
+  pass's cost curve.
 
 Sampling stays exact (``verify.rejection_accept_tree``): a node's children are drawn without
 replacement from that node's own distribution, in draw order, and whether a child is kept or
@@ -47,6 +50,8 @@ has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +70,7 @@ from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_th
 from .lookup import with_lookup
 
 if TYPE_CHECKING:
+    from ..budget import VerifyCost
     from ..step import StaticStep
 
 
@@ -96,6 +102,9 @@ class EagleDrafter(Drafter):
     name = "eagle"
     static_step: "StaticStep | None" = None   # the verify step the head's static passes match (use_step)
     _static: StaticFunction | None = None     # ``_static_pass``, compiled as that step is
+    # Width fitting's prices (``use_cost``): with them, drafting stops at the level that would not pay.
+    cost: "VerifyCost | None" = None
+    cost_rows: int | None = None              # the rows its passes run (a static step's); None: the live rows
 
     def __init__(self, backbone: Backbone, heads: Heads, *, depth: int = 5, expand: int = 4, nodes: int = 8,
                  threshold: float = 0.0, lookup: int = 0, corpus: Corpus | None = None,
@@ -121,6 +130,7 @@ class EagleDrafter(Drafter):
         self.capture_layers = aux
         # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
         self.project = Projection(self.head.lm_head.weight)
+        self.level_s: dict[int, deque] = {}           # rows in a head call -> seconds of its last levels (row copies share it)
         self.cache = kv.new_cache()                    # the head's KV cache: this drafter's own, or a batch's (begin_rows)
         self.row = 0                                   # this drafter's row of ``cache``
         self.committed = 0                             # head cache slots that hold committed tokens
@@ -132,6 +142,27 @@ class EagleDrafter(Drafter):
 
     def modules(self) -> tuple:
         return (self.head,)   # the copy it drafts with (bfloat16 on a CPU that has it), not the loaded heads
+
+    def use_cost(self, cost: "VerifyCost | None", rows: int | None = None) -> None:
+        self.cost, self.cost_rows = cost, rows
+
+    def _level_pays(self, drafted: torch.Tensor, children: torch.Tensor, active: list[int], spent: float) -> bool:
+        """Whether one more level is expected to pay on this machine (``budget.level_pays``). drafted (R, n):
+        the rows' drafted chances so far; children (R, k): what each row's next level is expected to add
+        (its ``expand`` best nodes' chances times the last level's mean top probability: what a child
+        keeps of its parent's chance), for the ``active`` rows. Priced by the pass's cost curve and the
+        last levels' measured seconds at this many rows; unmeasured (the first level drafted at a row
+        count), it pays, and is measured."""
+        from ..budget import level_pays   # budget imports the drafters' package
+
+        seen = self.level_s.get(len(active))
+        if not seen:
+            return True
+        on = set(active)
+        table = self.cost.table(self.cost_rows or len(drafted), self.max_nodes)
+        return level_pays([drafted[b] for b in range(len(drafted))],
+                          [children[b] if b in on else children[b, :0] for b in range(len(children))],
+                          table, spent=spent, level=min(seen))
 
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -251,7 +282,9 @@ class EagleDrafter(Drafter):
         H = prev.shape[-1]
         # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
+        t_step = time.perf_counter()
         cand, score, q = self._candidates(self._logits(prev[:, 0]), states[0])               # (R, k)
+        rho = score[:, 0].float().exp()                 # (R,) the last level's mean top probability (budget)
         tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
         parents = [torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.long, device=dev)]
         scores = [torch.zeros(R, 1, device=dev), score.float()]
@@ -268,6 +301,15 @@ class EagleDrafter(Drafter):
                 active = [b for b in active if row_best[b] >= self.log_threshold]
                 if not active:
                     break
+            if self.cost is not None:   # one read for all rows (on a GPU, the level's synchronisation)
+                n = sum(x.shape[1] for x in scores) - 1
+                read = torch.cat(scores[1:] + [top_scores + rho.clamp(min=1e-30).log()[:, None]], 1).exp().float().cpu()
+                now = time.perf_counter()
+                if d > 1:                              # the level just drafted, up to its scores' read
+                    self.level_s.setdefault(ran, deque(maxlen=3)).append(now - t_level)
+                if not self._level_pays(read[:, :n], read[:, n:], active, now - t_step):
+                    break
+                t_level, ran = time.perf_counter(), len(active)
             top = start + best                                                                  # (R, k) pool ids
             frontiers.append(top)
             a = torch.tensor(active, device=dev)
@@ -283,6 +325,7 @@ class EagleDrafter(Drafter):
             prev = run.new_zeros(R, k, H).index_copy_(0, a, run)
             cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
             A = len(active)
+            rho = torch.zeros(R, device=dev).index_copy_(0, a, score.float().view(A, k, k)[:, :, 0].exp().mean(1))
             tokens.append(torch.zeros(R, k * k, dtype=torch.long, device=dev).index_copy_(
                 0, a, self._to_ids(cand).reshape(A, k * k)))
             parents.append(top.repeat_interleave(k, dim=1))
