@@ -105,6 +105,7 @@ class EagleDrafter(Drafter):
     # Width fitting's prices (``use_cost``): with them, drafting stops at the level that would not pay.
     cost: "VerifyCost | None" = None
     cost_rows: int | None = None              # the rows its passes run (a static step's); None: the live rows
+    level_stop: bool = True                   # False: every level the tree spec allows, priced or not (A/B runs)
 
     def __init__(self, backbone: Backbone, heads: Heads, *, depth: int = 5, expand: int = 4, nodes: int = 8,
                  threshold: float = 0.0, lookup: int = 0, corpus: Corpus | None = None,
@@ -301,7 +302,7 @@ class EagleDrafter(Drafter):
                 active = [b for b in active if row_best[b] >= self.log_threshold]
                 if not active:
                     break
-            if self.cost is not None:   # one read for all rows (on a GPU, the level's synchronisation)
+            if self.cost is not None and self.level_stop:   # one read for all rows (on a GPU, the level's synchronisation)
                 n = sum(x.shape[1] for x in scores) - 1
                 read = torch.cat(scores[1:] + [top_scores + rho.clamp(min=1e-30).log()[:, None]], 1).exp().float().cpu()
                 now = time.perf_counter()
