@@ -47,8 +47,7 @@ def main() -> None:
     with torch.no_grad():
         # transformers' forward on its own DynamicCache; selfspec's layers on selfspec's KVCache
         hf_cache = DynamicCache(config=model.config)
-        cache_kw = CACHE_KWARG            # "cache" in transformers >= 5.24, "past_key_values" before
-        model(prefix, **{cache_kw: hf_cache}, use_cache=True)
+        model(prefix, **{CACHE_KWARG: hf_cache}, use_cache=True)   # "cache" from transformers 5.24 on
         cache = kv.new_cache()
         bb.run_layers(bb.embed(prefix[0]), start=0, end=bb.num_layers, position_ids=torch.arange(a.context)[None],
                       attention_mask=None, cache=cache)
@@ -60,7 +59,7 @@ def main() -> None:
             kv.truncate(cache, a.context)
             t = {"hf": [], "ours": [], "linear": [], "head": []}
             for _ in range(a.repeats):
-                for name, fn in (("hf", lambda: model(x, **{cache_kw: hf_cache}, use_cache=True)),
+                for name, fn in (("hf", lambda: model(x, **{CACHE_KWARG: hf_cache}, use_cache=True)),
                                  ("ours", lambda: _ours(bb, linears, x, cache, a.context)),
                                  ("linear", lambda: F.linear(h, bb.lm_head.weight)),
                                  ("head", lambda: bb.logits(h))):

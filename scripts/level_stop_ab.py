@@ -35,9 +35,18 @@ def main() -> None:
     variants = []
     for spec in a.variants.split(","):
         parts = spec.split(":")
-        if len(parts) != 3 or parts[2] not in ("on", "off"):
-            sys.exit(f"level_stop_ab.py: variant {spec!r} is not TREE:THRESHOLD:on|off, e.g. dynamic-8-4-16:0.05:on")
-        variants.append((spec, parts[0], float(parts[1]), parts[2] == "on"))
+        try:
+            if len(parts) != 3 or parts[2] not in ("on", "off"):
+                raise ValueError
+            variants.append((spec, parts[0], float(parts[1]), parts[2] == "on"))
+        except ValueError:
+            ap.error(f"variant {spec!r} is not TREE:THRESHOLD:on|off, e.g. dynamic-8-4-16:0.05:on")
+    if a.sample < 1 or a.max_new_tokens < 1:
+        ap.error("--sample and --max-new-tokens must be at least 1")
+    try:
+        rows = [json.loads(line) for line in open(a.prompts) if line.strip()]
+    except (OSError, ValueError) as e:
+        ap.error(f"cannot read --prompts {a.prompts}: {e}")
     torch.set_num_threads(a.threads)
 
     from selfspec import SelfSpeculativeModel
@@ -52,7 +61,6 @@ def main() -> None:
                                       threshold=threshold, lookup=a.lookup, name="smollm2-135m", corpus=base.corpus)
         sm.drafter.level_stop = stop
         models[spec] = sm
-    rows = [json.loads(line) for line in open(a.prompts)]
     random.Random(7).shuffle(rows)
     prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"] for r in rows[: a.sample]]

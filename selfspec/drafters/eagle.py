@@ -297,18 +297,21 @@ class EagleDrafter(Drafter):
         for d in range(1, self.depth):
             best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
             top_scores = scores[-1].gather(1, best)
+            read = None
+            if self.cost is not None and self.level_stop:   # one read for all rows (on a GPU, one synchronisation)
+                n = sum(x.shape[1] for x in scores) - 1
+                read = torch.cat(scores[1:] + [top_scores, rho.clamp(min=1e-30).log()[:, None]], 1).float().cpu()
             if self.threshold > 0:   # every deeper path of a row scores lower still: such a row drafts no further
-                row_best = top_scores[:, 0].tolist()   # one read for all rows (on a GPU, one synchronisation)
+                row_best = (top_scores[:, 0] if read is None else read[:, n]).tolist()   # (one read, as above)
                 active = [b for b in active if row_best[b] >= self.log_threshold]
                 if not active:
                     break
-            if self.cost is not None and self.level_stop:   # one read for all rows (on a GPU, the level's synchronisation)
-                n = sum(x.shape[1] for x in scores) - 1
-                read = torch.cat(scores[1:] + [top_scores + rho.clamp(min=1e-30).log()[:, None]], 1).exp().float().cpu()
+            if read is not None:
                 now = time.perf_counter()
                 if d > 1:                              # the level just drafted, up to its scores' read
                     self.level_s.setdefault(ran, deque(maxlen=3)).append(now - t_level)
-                if not self._level_pays(read[:, :n], read[:, n:], active, now - t_step):
+                children = (read[:, n:n + k] + read[:, n + k:]).exp()   # best nodes' chances x rho
+                if not self._level_pays(read[:, :n].exp(), children, active, now - t_step):
                     break
                 t_level, ran = time.perf_counter(), len(active)
             top = start + best                                                                  # (R, k) pool ids
