@@ -17,7 +17,7 @@
 # For a short lease (every default below is the full run's):
 #   --sample N            prompts per batch-1 bench (default 50); batches of 8 take N rounded down to a multiple
 #                         of 8 (at least 8)
-#   --skip STEPS          comma list of steps (2-5) not to run, e.g. --skip 5 leaves out the compiled benches
+#   --skip STEPS          comma list of steps (2-6) not to run, e.g. --skip 5 leaves out the compiled benches
 #   --dtypes LIST         step 3's dtypes (default float32,bfloat16)
 #   --methods LIST        step 3's methods; --batch-methods LIST: step 4's (defaults: below)
 #   --eagle-heads DIR     also bench these EAGLE heads beside the shipped ones (as selfspec-eagle@DIR)
@@ -36,6 +36,12 @@
 #   4. bench, batches of 8, bfloat16 (the exactness tests of step 2 include the demo model in a batch)
 #   5. bench, compiled (--compile: selfspec's static-shape step through torch.compile, CUDA graphs on a
 #      GPU), bfloat16, batch 1 and batches of 8, against hf-generate and hf-static in the same runs
+#   6. tune-tree for this kind of device: the shipped EAGLE head's candidates (wide trees too, on a GPU)
+#      timed in bfloat16 on min(--sample, 12) held-out prompts of its broad training data (as many again for
+#      the finalists; --quick: 1 prompt, 16 tokens, float32, uncut trees only); the timings go to $OUT/eagle-tune/ (tune-tree-cuda.json). To ship them:
+#        cp $OUT/eagle-tune/tune-tree-cuda.json checkpoints/smollm2-135m/eagle/
+#        selfspec tune-tree --heads checkpoints/smollm2-135m/eagle --recorded
+#      ("auto" on a GPU then reads these settings; a CPU keeps its own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,7 +60,7 @@ while [ $# -gt 0 ]; do
         --batch-methods) BATCHED="$2"; shift 2 ;;
         --eagle-heads) EAGLE_HEADS="$2"; shift 2 ;;
         --wide-tree) WIDE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -62,7 +68,7 @@ case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check: --device must be cuda or cpu 
 [[ "$SAMPLE" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: --sample must be a positive whole number (got $SAMPLE)" >&2; exit 2; }
 [ -z "$EAGLE_HEADS" ] || [ -f "$EAGLE_HEADS/config.json" ] || { echo "gpu_check: --eagle-heads $EAGLE_HEADS holds no heads (no config.json)" >&2; exit 2; }
 [[ "$WIDE" =~ ^(default|none|dynamic-[0-9]+-[0-9]+-[0-9]+)$ ]] || { echo "gpu_check: --wide-tree takes default, none or dynamic-D-K-M (got $WIDE)" >&2; exit 2; }
-[[ ",$SKIP," =~ ^(,+[2-5])*,+$ ]] || { echo "gpu_check: --skip takes a comma list of steps 2-5 (got $SKIP_ARG)" >&2; exit 2; }
+[[ ",$SKIP," =~ ^(,+[2-6])*,+$ ]] || { echo "gpu_check: --skip takes a comma list of steps 2-6 (got $SKIP_ARG)" >&2; exit 2; }
 RUNS=()
 for D in ${DTYPES//,/ }; do
     case "$D" in float32) RUNS+=(fp32:float32) ;; bfloat16) RUNS+=(bf16:bfloat16) ;;
@@ -198,6 +204,17 @@ for i in "${!CNAMES[@]}"; do
     echo "cudagraph skips ($(grep -c . "$OUT/${CNAMES[$i]}/cudagraph-skips.txt" || true) kinds): $OUT/${CNAMES[$i]}/cudagraph-skips.txt"
     rm -f "$log"
 done
+fi
+if run_step 6; then
+echo "== 6. tune-tree on $DEVICE: the shipped EAGLE head's settings for this kind of device"
+TUNE_DIR="$OUT/eagle-tune"
+rm -rf "$TUNE_DIR" && cp -r checkpoints/smollm2-135m/eagle "$TUNE_DIR"
+rm -f "$TUNE_DIR"/tune-tree*.json
+TSIZE=(--prompts-n $(( SAMPLE < 12 ? SAMPLE : 12 )) --max-new-tokens 128 --dtype bfloat16)
+[ "$QUICK" = 1 ] && TSIZE=(--prompts-n 1 --max-new-tokens 16 --finalists 0 --no-prune --dtype float32)
+"$PY" -m selfspec tune-tree --model smollm2-135m --heads "$TUNE_DIR" --data training/data/smollm2-135m-broad-gpu \
+    --device "$DEVICE" --repeats 1 "${TSIZE[@]}" | tee "$OUT/eagle-tune.txt"
+rm -f "$TUNE_DIR/model.safetensors" "$TUNE_DIR/README.md"   # the weights are the shipped ones: the timings and picks stay
 fi
 [ -z "$WIDE_DIR" ] || rm -rf "$WIDE_DIR"   # before listing the reports (the trap removes it on any exit)
 echo "== done: $OUT ($(cd "$OUT" && ls -d -- * | tr '\n' ' '| sed 's/ $//'))"

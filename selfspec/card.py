@@ -8,7 +8,7 @@ with dev-prompt accuracy and bench results added::
 
 Training facts come from the heads' config.json (``provenance``: data, steps, tokens, wall time,
 held-out accuracy; ``decode``: the tuned settings) and tune-tree.json (the tree search; tune-tree-sampled.json, the
-sampled one, where it ran); accuracy on dev
+sampled one, where it ran; tune-tree-cuda.json and the like, those on another kind of device); accuracy on dev
 prompts from ``selfspec eval-heads --json``; tau and speed from a ``selfspec bench`` results.json.
 """
 
@@ -118,7 +118,8 @@ def _search_lines(ts: dict, decode, *, title: str) -> list[str]:
              "Chosen by `selfspec tune-tree` on "
              + (f"{ts['n_prompts']} prompts of {ts['prompts']} the heads never saw (seeded sample, seed "
                 f"{ts.get('seed', 0)}) " if ts.get("prompts") else f"{ts['held_out_prompts']} held-out training prompts ")
-             + f"({ts['max_new_tokens']} new tokens, {how}, {counted(ts['threads'], 'thread')}), each run interleaved with plain "
+             + f"({ts['max_new_tokens']} new tokens, {how}, {counted(ts['threads'], 'thread')}"
+             + (f", on {ts['hardware']}" if ts.get("hardware") else "") + "), each run interleaved with plain "
              "decoding on the same prompt; speedup is the median per-prompt ratio to it. Threshold: nodes whose "
              "draft path probability is below it are not proposed; gate: a step whose tree is expected to get "
              "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
@@ -219,6 +220,34 @@ def draft_card(ckpt: Path, bench: dict | None, method: str | None, hardware: str
     return "\n".join(lines)
 
 
+def _settings_lines(ckpt: Path, decode) -> list[str]:
+    """The tune-tree sections: for the CPU (the decode section's top level), then for each other kind of
+    device it timed the heads on (``decode.devices``), greedy and sampled."""
+    from .settings import HOME_DEVICE
+    from .training.tune import recorded_devices, recorded_search
+
+    lines = []
+    for device in dict.fromkeys((HOME_DEVICE, *recorded_devices(ckpt), *decode.measured_devices())):
+        mine, on = decode.for_device(device), "" if device == HOME_DEVICE else f", on {device}"
+        ts = recorded_search(ckpt, device=device)
+        if ts:
+            lines += _search_lines(ts, mine, title=f"## Tree and threshold (tree=\"auto\", threshold=\"auto\"{on})")
+        elif device == HOME_DEVICE and mine.tree is not None:
+            lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
+                      f"`{mine.tree}`, threshold {mine.threshold:g}, gate {mine.gate:g}, lookup {mine.lookup}: "
+                      "not timed for these heads by `selfspec tune-tree` (no tune-tree.json here); carried over from the "
+                      "heads they were warm-started from or replace.", ""]
+        sampled = recorded_search(ckpt, sampled=True, device=device)
+        if sampled and mine.sampled is not None:
+            lines += _search_lines(sampled, mine.sampled, title="## When sampling (do_sample=True; tree, threshold, gate "
+                                                                f"and lookup \"auto\"{on})")
+    others = decode.measured_devices()
+    if others:
+        lines += [f"Devices with settings of their own: {', '.join(others)}; every other kind of device reads the "
+                  f"{HOME_DEVICE}'s above.", ""]
+    return lines
+
+
 def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_eval: dict | None = None) -> str:
     if (ckpt / "selfspec_draft.json").is_file():
         return draft_card(ckpt, bench, method, hardware, dev_eval)
@@ -270,19 +299,7 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
               f"- held-out (train-split prompts never trained on) top-1 / top-5 by {'draft step' if kind == 'eagle' else 'head'}: "
               f"{_pct(ev.get('top1'))} | {_pct(ev.get('top5'))} over {ev.get('tokens')} positions (training's own "
               f"count, which also scores deeper heads from the prompt's last positions)", ""]
-    from .training.tune import recorded_search
-
-    ts = recorded_search(ckpt)
-    if ts:
-        lines += _search_lines(ts, decode, title="## Tree and threshold (tree=\"auto\", threshold=\"auto\")")
-    elif decode.tree is not None:
-        lines += ["## Tree and threshold (tree=\"auto\", threshold=\"auto\")", "",
-                  f"`{decode.tree}`, threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}: "
-                  "not timed for these heads by `selfspec tune-tree` (no tune-tree.json here); carried over from the "
-                  "heads they were warm-started from or replace.", ""]
-    sampled = recorded_search(ckpt, sampled=True)
-    if sampled and decode.sampled is not None:
-        lines += _search_lines(sampled, decode.sampled, title="## When sampling (do_sample=True; tree, threshold, gate and lookup \"auto\")")
+    lines += _settings_lines(ckpt, decode)
     if dev_eval:
         lines += _eval_section(dev_eval)
     if bench and method:

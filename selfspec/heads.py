@@ -251,7 +251,8 @@ def check_safetensors(path: Path) -> None:
 
 
 # What a heads directory holds (and all a hub download of one fetches).
-HEADS_FILES = ("config.json", "model.safetensors", "README.md", "tune-tree.json", "tune-tree-sampled.json")
+# tune-tree*.json: the timings behind the decode settings, per mode and device (training/tune.py: search_file).
+HEADS_FILES = ("config.json", "model.safetensors", "README.md", "tune-tree*.json")
 
 
 def heads_directory(heads: str | os.PathLike) -> Path:

@@ -141,9 +141,23 @@ def resolve_dtype(dtype) -> torch.dtype | None:
 
 
 def resolve_device(device) -> torch.device:
+    """``device`` (None: a GPU where torch sees one, else the CPU) as a torch.device this machine has;
+    one-line ValueError for a name torch does not know or a device it cannot reach."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device on this machine (use cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                             f"(use cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"device {device!r}: torch sees no MPS device on this machine (use cpu)")
+    return dev
 
 
 def demo_gguf_path(alias: str) -> Path:

@@ -176,7 +176,9 @@ class SelfSpeculativeModel:
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
             decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
-        given = dict(tree=tree, threshold=threshold, gate=gate, lookup=lookup)
+        # "auto" reads the settings tune-tree measured on this kind of device where it ran on one (a GPU's
+        # differ from a CPU's), else the CPU's (``DecodeSettings.for_device``).
+        given = dict(tree=tree, threshold=threshold, gate=gate, lookup=lookup, device=self.backbone.device.type)
         self.settings = resolve_settings(drafter_name, decode, **given)   # what this drafter runs with (DrafterSettings)
         # Sampling reads the settings tune-tree timed sampling with, where it did (``DecodeSettings.sampled``).
         self.sampled_settings = resolve_settings(drafter_name, decode, **given, sampling=True)

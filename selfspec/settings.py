@@ -73,6 +73,13 @@ def default_exit_layer(num_layers: int) -> int:
 
 
 AUTO = ("auto", None)
+# The device whose tune-tree settings a heads directory's decode section holds at its top level (the
+# others', e.g. a GPU's, sit under its ``devices``), and which every device without its own reads.
+HOME_DEVICE = "cpu"
+
+
+def _is_device_type(kind) -> bool:
+    return isinstance(kind, str) and kind.isidentifier() and kind.islower() and kind != HOME_DEVICE
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,14 @@ class DecodeSettings:
     ``sampled``: the settings ``tune-tree --temperature`` measured fastest when sampling (with a
     ``without_lookup`` of their own), which "auto" gives a sampled ``generate``. Sampling accepts
     fewer drafted tokens than greedy decoding, so a tree and threshold tuned greedy draft deeper
-    than sampling repays; None: sampling reads the greedy settings."""
+    than sampling repays; None: sampling reads the greedy settings.
+
+    ``devices``: settings tune-tree measured on another kind of device than a CPU, as
+    ``((device type, DecodeSettings), ...)`` (config.json: ``"devices": {"cuda": {...}}``), each a whole
+    section of its own (with its ``without_lookup`` and ``sampled``). A GPU verifies 60 nodes for about
+    the price of one, a CPU does not, so the tree that pays on one is not the tree that pays on the
+    other. The rest of the section is the CPU's (``HOME_DEVICE``), and what a device without settings
+    of its own reads (``for_device``)."""
 
     tree: str | list | None = None    # a tree spec ("chain-3", "dynamic-4-2-4", a list of paths); None: the drafter's default
     threshold: float = 0.0
@@ -95,14 +109,17 @@ class DecodeSettings:
     lookup: int = 0
     without_lookup: "DecodeSettings | None" = None
     sampled: "DecodeSettings | None" = None
+    devices: tuple = ()
 
     @classmethod
     def from_json(cls, raw, *, section: str = "decode", where: str = "its decode section") -> "DecodeSettings":
-        """``section``: "decode" (the whole section), "sampled" (its sampled settings: no sampled section
-        of their own) or "without_lookup" (no sub-section; lookup 0)."""
+        """``section``: "decode" (the whole section), "device" (one device's: no devices of its own),
+        "sampled" (its sampled settings: no sampled section of their own) or "without_lookup" (no
+        sub-section; lookup 0)."""
         if raw is None:
             return cls()
-        subs = {"decode": {"without_lookup", "sampled"}, "sampled": {"without_lookup"}, "without_lookup": set()}[section]
+        subs = {"decode": {"without_lookup", "sampled", "devices"}, "device": {"without_lookup", "sampled"},
+                "sampled": {"without_lookup"}, "without_lookup": set()}[section]
         allowed = {"tree", "threshold", "gate", "lookup"} | subs
         if not isinstance(raw, dict) or set(raw) - allowed:
             raise ValueError(f"{where} must be a mapping of {', '.join(sorted(allowed))}")
@@ -112,24 +129,53 @@ class DecodeSettings:
         lookup = _checked(raw.get("lookup", 0), "lookup", int)
         if section == "without_lookup" and lookup != 0:
             raise ValueError(f"{where} holds the settings with the lookup off: its lookup must be 0 (got {lookup})")
-        without, sampled = raw.get("without_lookup"), raw.get("sampled")
+        without, sampled, devices = raw.get("without_lookup"), raw.get("sampled"), raw.get("devices") or {}
+        if not isinstance(devices, dict) or not all(_is_device_type(k) for k in devices):
+            raise ValueError(f"{where}'s devices must map device types other than {HOME_DEVICE!r} (e.g. \"cuda\") "
+                             f"to decode settings (got {devices!r})")
         return cls(tree=tree, threshold=_checked(raw.get("threshold", 0.0), "threshold", float),
                    gate=_checked(raw.get("gate", 0.0), "gate", float), lookup=lookup,
                    without_lookup=None if without is None else
                    cls.from_json(without, section="without_lookup", where=f"{where}'s without_lookup"),
-                   sampled=None if sampled is None else cls.from_json(sampled, section="sampled", where=f"{where}'s sampled"))
+                   sampled=None if sampled is None else cls.from_json(sampled, section="sampled", where=f"{where}'s sampled"),
+                   devices=tuple((kind, cls.from_json(devices[kind], section="device", where=f"{where}'s {kind} settings"))
+                                 for kind in sorted(devices)))
 
     def to_json(self) -> dict:
         return self.json_of(asdict(self))
 
     @staticmethod
     def json_of(raw: dict) -> dict:
-        """``asdict``'s form -> config.json's: unset sub-sections (``without_lookup``, ``sampled``) left out."""
-        out = {k: v for k, v in raw.items() if k not in ("without_lookup", "sampled")}
+        """``asdict``'s form -> config.json's: unset sub-sections (``without_lookup``, ``sampled``, ``devices``)
+        left out, devices as a mapping."""
+        out = {k: v for k, v in raw.items() if k not in ("without_lookup", "sampled", "devices")}
         for key in ("without_lookup", "sampled"):
             if raw.get(key) is not None:
                 out[key] = DecodeSettings.json_of(raw[key])
+        if raw.get("devices"):
+            out["devices"] = {kind: DecodeSettings.json_of(sub) for kind, sub in raw["devices"]}
         return out
+
+    def for_device(self, device_type: str) -> "DecodeSettings":
+        """The settings "auto" reads on a device of this type (``torch.device.type``): its own where
+        tune-tree measured some there, else the CPU's (the section's top level)."""
+        for kind, settings in self.devices:
+            if kind == device_type:
+                return settings
+        return replace(self, devices=())
+
+    def with_device(self, device_type: str, settings: "DecodeSettings") -> "DecodeSettings":
+        """These settings with ``settings`` as the ones for ``device_type`` (the CPU's: the top level); the
+        other devices' kept."""
+        if device_type == HOME_DEVICE:
+            return replace(settings, devices=self.devices)
+        others = tuple((k, s) for k, s in self.devices if k != device_type)
+        return replace(self, devices=tuple(sorted(others + ((device_type, replace(settings, devices=())),),
+                                                  key=lambda kv: kv[0])))
+
+    def measured_devices(self) -> tuple[str, ...]:
+        """The device types with settings of their own besides the CPU's."""
+        return tuple(kind for kind, _ in self.devices)
 
     def for_lookup(self, lookup) -> "DecodeSettings":
         """The settings "auto" reads when the user gives ``lookup``: ``without_lookup`` where they turn
@@ -141,7 +187,7 @@ class DecodeSettings:
 
     def with_pick(self, picked: "DecodeSettings", *, sampled: bool) -> "DecodeSettings":
         """These settings with ``picked`` as the greedy pick (or, ``sampled``, the sampled one); the other kept."""
-        return replace(self, sampled=picked) if sampled else replace(picked, sampled=self.sampled)
+        return replace(self, sampled=picked) if sampled else replace(picked, sampled=self.sampled, devices=self.devices)
 
     def for_sampling(self, sampling: bool) -> "DecodeSettings":
         """The settings "auto" reads when decoding samples (``sampled`` where tune-tree timed it) or not."""
@@ -237,11 +283,12 @@ def check_settings(drafter: str, *, tree="auto", threshold="auto", gate="auto", 
 
 
 def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree="auto", threshold="auto",
-                     gate="auto", lookup="auto", sampling: bool = False) -> DrafterSettings:
+                     gate="auto", lookup="auto", sampling: bool = False, device: str = HOME_DEVICE) -> DrafterSettings:
     """The settings a drafter runs with: each given value, else ("auto") the heads' tuned ``decode``
-    value (``decode``: None for drafters without heads; ``sampling``: its ``sampled`` settings where it
-    has them; with ``lookup=0``, their ``without_lookup`` settings where they have them), else the
-    drafter's default. Values are checked as in :func:`check_settings`."""
+    value (``decode``: None for drafters without heads; ``device``: the type of device the model runs
+    on, whose own settings are read where tune-tree measured some there; ``sampling``: the ``sampled``
+    settings where there are; with ``lookup=0``, their ``without_lookup`` settings where there are),
+    else the drafter's default. Values are checked as in :func:`check_settings`."""
     check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
     declared = DRAFTER_SETTINGS[drafter]
 
@@ -252,7 +299,7 @@ def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree
             return _checked(value, key, kind)
         return kind(getattr(decode, key)) if decode is not None else getattr(declared, key)
 
-    decode = decode.for_sampling(sampling).for_lookup(lookup) if decode is not None else None
+    decode = decode.for_device(device).for_sampling(sampling).for_lookup(lookup) if decode is not None else None
     tuned_tree = decode.tree if decode is not None else None
     return DrafterSettings(
         tree=None if declared.tree is None else (tree if tree not in AUTO else (tuned_tree or declared.tree)),

@@ -105,6 +105,8 @@ CASES = [
     ("generate-draft-model-for-medusa", "generate --prompt hi --drafter medusa --draft-model {d}/tiny"),
     ("generate-unknown-drafter", "generate --prompt hi --drafter warp"),
     ("generate-max-new-tokens-not-a-number", "generate --prompt hi --max-new-tokens lots"),
+    ("generate-unknown-device", "generate --model {d}/tiny --prompt hi --device tpu"),
+    ("generate-missing-gpu", "generate --model {d}/tiny --prompt hi --device cuda:99"),
     ("generate-draft-model-missing", "generate --model {d}/tiny --prompt hi --drafter draft-model"),
     # generate: model names and files
     ("generate-missing-model-dir", "generate --model ./no-such-model --prompt hi"),
@@ -128,6 +130,7 @@ CASES = [
     # bench
     ("bench-corpus-not-a-corpus", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-lookup "
                                   "--corpus {d}/nodata --out {o}"),
+    ("bench-unknown-device", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar --device tpu --out {o}"),
     ("bench-unknown-method", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods hf-greedy,warp-speed --out {o}"),
     ("bench-row-without-prompt", "bench --model {d}/tiny --prompts {d}/noprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-json-line", "bench --model {d}/tiny --prompts {d}/notjson.jsonl --methods selfspec-ar --out {o}"),
@@ -163,6 +166,8 @@ CASES = [
     ("eval-heads-truncated-heads", "eval-heads --model {d}/tiny --heads {d}/trunc-medusa --prompts {d}/good.jsonl"),
     ("tune-tree-repeats-zero", "tune-tree --model {d}/tiny --heads {d}/medusa --data {d}/data --repeats 0"),
     ("tune-tree-finalists-negative", "tune-tree --model {d}/tiny --heads {d}/medusa --data {d}/data --finalists -1"),
+    ("tune-tree-unknown-device", "tune-tree --model {d}/tiny --heads {d}/eagle --prompts {d}/good.jsonl --device tpu"),
+    ("tune-tree-unknown-dtype", "tune-tree --model {d}/tiny --heads {d}/eagle --prompts {d}/good.jsonl --dtype fp8"),
     ("tune-tree-neither-heads-nor-draft", "tune-tree --model {d}/tiny --data {d}/data"),
     ("tune-tree-heads-and-draft", "tune-tree --model {d}/tiny --heads {d}/medusa --draft-model {d}/tiny "
                                   "--prompts {d}/good.jsonl"),

@@ -46,6 +46,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert compiled["config"]["compile"] is True and set(compiled["methods"]) == {"hf-generate", "selfspec-ar"}
     assert (out / "bf16-compiled" / "cudagraph-skips.txt").is_file()   # why a pass ran without CUDA graphs, if one did
     assert not (out / "draft-4l").exists()
+    # Step 6: tune-tree timed the shipped EAGLE head on this kind of device; its timings and picks kept, not its weights
+    tuned = out / "eagle-tune"
+    assert sorted(p.name for p in tuned.iterdir()) == ["config.json", "tune-tree.json"]
+    search = json.loads((tuned / "tune-tree.json").read_text())
+    assert search["device"] == "cpu" and all(c["threshold"] == 0 for c in search["candidates"]) and search["candidates"]
+    assert json.loads((tuned / "config.json").read_text())["decode"]["tree"] in {c["spec"] for c in search["candidates"]}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "tpu"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "cuda or cpu" in r.stderr

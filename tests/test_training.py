@@ -460,6 +460,88 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
         assert match in capsys.readouterr().err
 
 
+def test_settings_tuned_on_a_gpu_are_what_auto_reads_there_and_the_cpu_keeps_its_own(tmp_path, capsys):
+    from selfspec.card import card
+    from selfspec.cli import main
+    from selfspec.heads import save_heads
+    from selfspec.model import untrained_heads
+    from selfspec.settings import resolve_settings
+    from selfspec.drafters.eagle import parse_dynamic_tree
+    from selfspec.static import BUCKETS
+    from selfspec.training.tune import (EAGLE_GRID, EAGLE_WIDE, Candidate, SEARCH_FILE, _record, _rule, eagle_grid,
+                                        recorded_devices, search_file)
+
+    # A GPU times wide trees too, none over the largest static bucket with its root and copied tokens.
+    assert eagle_grid("cpu") == EAGLE_GRID and eagle_grid("cuda") == EAGLE_GRID + EAGLE_WIDE
+    assert all(1 + parse_dynamic_tree(t)["nodes"] + k <= BUCKETS[-1] for t, _, k in eagle_grid("cuda"))
+    assert max(1 + parse_dynamic_tree(t)["nodes"] + k for t, _, k in EAGLE_WIDE) == BUCKETS[-1]
+
+    cpu = DecodeSettings(tree="chain-3", threshold=0.1, lookup=8, without_lookup=DecodeSettings(tree="chain-2"),
+                         sampled=DecodeSettings(tree="chain-1"))
+    gpu = DecodeSettings(tree="chain-6", lookup=12, without_lookup=DecodeSettings(tree="chain-5"))
+    decode = cpu.with_device("cuda", gpu)
+    assert DecodeSettings.from_json(decode.to_json()) == decode and decode.to_json()["devices"]["cuda"]["tree"] == "chain-6"
+    assert "devices" not in cpu.to_json() and decode.measured_devices() == ("cuda",)
+    assert decode.for_device("cpu") == cpu and decode.for_device("cuda") == gpu and decode.for_device("mps") == cpu
+    assert decode.with_device("cpu", DecodeSettings(tree="chain-4")).for_device("cuda") == gpu   # each device its own
+    assert decode.with_pick(DecodeSettings(tree="chain-4"), sampled=False).for_device("cuda") == gpu
+    # "auto" on each kind of device: its own settings (lookup off and sampling alike), else the CPU's.
+    assert resolve_settings("medusa", decode, device="cuda").tree == "chain-6"
+    assert resolve_settings("medusa", decode, device="cuda", lookup=0).tree == "chain-5"
+    assert resolve_settings("medusa", decode, device="cuda", sampling=True).tree == "chain-6"   # not timed sampled there
+    assert resolve_settings("medusa", decode).tree == "chain-3" and resolve_settings("medusa", decode, device="mps").tree == "chain-3"
+    assert resolve_settings("medusa", decode, device="cpu", sampling=True).tree == "chain-1"
+    for raw, match in (({"devices": {"cpu": {}}}, "devices must map device types other than 'cpu'"),
+                       ({"devices": ["cuda"]}, "devices must map"),
+                       ({"devices": {"cuda": {"devices": {}}}}, "cuda settings must be a mapping"),
+                       ({"devices": {"cuda": {"tree": 3}}}, "tree must be a tree spec")):
+        with pytest.raises(ValueError, match=match):
+            DecodeSettings.from_json(raw)
+    # tune-tree on a GPU records there and in its own timings file; the CPU's pick and file stay as they were.
+    model = tiny_model(seed=2)
+    heads = untrained_heads("medusa", model, "tiny", num_heads=3)
+    heads.config.decode = cpu
+    save_heads(heads, tmp_path / "h")
+
+    def c(name, speedup, tau, lookup=0):
+        return Candidate(spec=name, size=int(name[-1]), tokens_per_s=10 * speedup, tau=tau, nodes_per_step=2.0,
+                         speedup=speedup, lookup=lookup, runs=12)
+
+    cands = [c("chain-6", 2.0, 3.0, lookup=12), c("chain-5", 1.6, 2.5), c("chain-2", 1.2, 1.5)]
+    search = {"prompts": "p.jsonl", "n_prompts": 1, "seed": 0, "finalists": 0, "max_new_tokens": 6, "threads": 1,
+              "hardware": "one NVIDIA H200", "candidates": [asdict(x) for x in cands]}
+    assert _record(tmp_path / "h", read_heads_config(tmp_path / "h"), cands, {**search, **_rule(0.03)}, device="cuda") == 0
+    assert "on cuda" in capsys.readouterr().out
+    got = read_heads_config(tmp_path / "h").decode
+    assert got.for_device("cpu") == cpu                                    # the CPU's settings untouched
+    mine = got.for_device("cuda")
+    assert (mine.tree, mine.lookup, mine.without_lookup.tree) == ("chain-6", 12, "chain-5")
+    assert mine.sampled == cpu.sampled   # the mode not timed there reads what it read before
+    assert search_file(device="cuda") == "tune-tree-cuda.json" and search_file(sampled=True, device="cuda") == "tune-tree-cuda-sampled.json"
+    assert not (tmp_path / "h" / SEARCH_FILE).exists() and (tmp_path / "h" / "tune-tree-cuda.json").is_file()
+    assert json.loads((tmp_path / "h" / "tune-tree-cuda.json").read_text())["device"] == "cuda"
+    assert recorded_devices(tmp_path / "h") == ("cuda",)
+    # A CPU run later replaces only the CPU's; the card shows both, each under its device.
+    cpu_cands = [c("chain-2", 1.3, 1.5), c("chain-3", 1.1, 2.5)]
+    _record(tmp_path / "h", read_heads_config(tmp_path / "h"), cpu_cands,
+            {**search, "hardware": "2 CPU cores", "candidates": [asdict(x) for x in cpu_cands], **_rule(0.03)})
+    got = read_heads_config(tmp_path / "h").decode
+    assert got.for_device("cpu").tree == "chain-2" and got.for_device("cuda").tree == "chain-6"
+    assert recorded_devices(tmp_path / "h") == ("cpu", "cuda")
+    text = card(tmp_path / "h", None, None, "cpu")
+    assert 'threshold="auto")' in text and 'threshold="auto", on cuda)' in text and "on one NVIDIA H200" in text
+    assert "Devices with settings of their own: cuda" in text
+    # --recorded picks again on every device's timings, each into its own settings.
+    assert main(["tune-tree", "--heads", str(tmp_path / "h"), "--data", "unused", "--recorded", "--tolerance", "0.5"]) == 0
+    got = read_heads_config(tmp_path / "h").decode
+    assert got.for_device("cuda").tree == "chain-6" and got.for_device("cpu").tree == "chain-3"   # tied at 0.5: higher tau
+    assert json.loads((tmp_path / "h" / "tune-tree-cuda.json").read_text())["tolerance"] == 0.5
+    # A model on the CPU drafts with the CPU's settings.
+    sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=load_heads(
+        tmp_path / "h", expect_kind="medusa", fingerprint=config_fingerprint(model.config)), name="tiny")
+    assert sm.drafter.tree.paths == ((0,), (0, 0), (0, 0, 0))
+
+
 def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, capsys):
     from selfspec.cli import main
     from selfspec.heads import save_heads

@@ -17,6 +17,9 @@ pick goes into ``decode.without_lookup``: what "auto" gives a user who passes ``
 With ``--temperature T`` the candidates and the plain reference decode sampled at T instead, and the
 picks go into ``decode.sampled`` (timings: ``tune-tree-sampled.json``), what "auto" gives a sampled
 ``generate``; the greedy ones stay (for a draft model, likewise in the pair's record).
+Settings are measured per kind of device: a run on a GPU records its picks under ``decode.devices``
+(timings: ``tune-tree-cuda.json``, ``tune-tree-cuda-sampled.json``), which "auto" reads there, and
+leaves the CPU's (the section's top level) as they are; the other way round on a CPU.
 
 A separate draft model (``--draft-model``, no heads): time chain lengths, each also cut by the
 draft's own confidence (``DRAFT_GRID``), on ``--prompts``; the winner is recorded for that pair of
@@ -53,13 +56,15 @@ from ..drafters.base import draft_dtype, drafting_modules
 from ..drafters.eagle import parse_dynamic_tree
 from ..heads import Heads, heads_in_dtype, load_heads, read_heads_config, write_heads_config
 from ..bench.harness import load_prompts as load_bench_prompts
+from ..card import this_hardware
 from ..io import atomic_write_text, prompt_ids
-from ..loading import check_model_name, load_model
+from ..loading import check_model_name, load_model, resolve_device, resolve_dtype
 from ..model import tune_layouts
 from ..projection import few_row_linears
 from ..sampling import SamplingParams
-from ..settings import DEFAULT_MAX_NEW_TOKENS, DecodeSettings
+from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
+from ..static import BUCKETS
 from ..tuned_pairs import SAMPLED_SEARCH_KEY, read_pair_record, write_pair_record
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, check_corpus_arg, in_unit_interval
@@ -99,13 +104,25 @@ EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-
               ("dynamic-4-2-4", 0.0, 8), ("dynamic-5-3-6", 0.0, 8), ("dynamic-5-4-8", 0.0, 8),
               ("dynamic-4-2-4", 0.2, 8), ("dynamic-5-2-4", 0.3, 8), ("dynamic-5-3-6", 0.25, 8), ("dynamic-6-2-6", 0.4, 8),
               ("dynamic-6-3-8", 0.3, 0), ("dynamic-8-4-16", 0.05, 0),
+              # uncut deep trees: with width fitting on, the drafter stops at the level not expected to pay
+              # (budget.level_pays), so depth costs only the levels a step's confidence carries
+              ("dynamic-8-4-16", 0.0, 0), ("dynamic-8-4-16", 0.0, 12),
               # wide trees with the lookup: where verifying more nodes costs little (GPUs; CPUs with packed products)
               ("dynamic-6-4-12", 0.05, 8), ("dynamic-6-4-12", 0.15, 8), ("dynamic-6-3-8", 0.1, 12), ("dynamic-8-4-16", 0.05, 12))
+# ... and on devices where verifying a few dozen nodes costs about what one does (GPUs), wide uncut trees
+# too: up to the nodes that, with the root and the copied tokens, fill the largest static bucket (static.py).
+EAGLE_WIDE = tuple((f"dynamic-{d}-8-{m - k}", 0.0, k) for k in (0, 12) for d, m in ((8, 31), (10, BUCKETS[-1] - 1)))
 EXIT_THRESHOLDS = (0.5, 0.7, 0.85)
 # A separate draft model: (chain, threshold). Each drafted token costs a draft forward as well as a
 # verified row, so long chains pay only cut where the draft's own path probability falls.
 DRAFT_GRID = (("chain-2", 0.0), ("chain-3", 0.0), ("chain-4", 0.0), ("chain-6", 0.0),
               ("chain-4", 0.3), ("chain-6", 0.3), ("chain-6", 0.5), ("chain-8", 0.5))
+
+
+def eagle_grid(device_type: str) -> tuple:
+    """The EAGLE candidates tune-tree times on this kind of device: ``EAGLE_GRID``, and on any but a CPU
+    the wide trees of ``EAGLE_WIDE`` as well."""
+    return EAGLE_GRID if device_type == HOME_DEVICE else EAGLE_GRID + EAGLE_WIDE
 
 
 @dataclass
@@ -249,7 +266,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
         make = lambda spec, t, g, k: MedusaDrafter(bb, heads, build_tree(spec, str(bb.device)), threshold=t, gate=g,  # noqa: E731
                                                    lookup=k, corpus=corpus)
     elif heads.config.kind == "eagle":
-        grid = [(spec, t, 0.0, k) for spec, t, k in EAGLE_GRID if prune or t == 0]
+        grid = [(spec, t, 0.0, k) for spec, t, k in eagle_grid(bb.device.type) if prune or t == 0]
         drafting = heads_in_dtype(heads, draft_dtype(bb.device, bb.dtype))   # one copy for every candidate, not one each
         make = lambda spec, t, g, k: EagleDrafter(bb, drafting, **parse_dynamic_tree(spec), threshold=t, lookup=k,  # noqa: E731
                                                   corpus=corpus)
@@ -395,6 +412,11 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                         "pays more the longer the answer, so short runs undervalue the lookup")
     p.add_argument("--repeats", type=int, default=TUNE_REPEATS, help=f"rounds over the prompts (default {TUNE_REPEATS})")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None,
+                   help="cpu | cuda (default: cuda when available); heads: the picks are recorded as this kind of "
+                        "device's settings, which \"auto\" reads there (another kind of device keeps its own)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
+                                                  "checkpoint's on a GPU): time in the dtype you will decode in")
     p.add_argument("--no-prune", action="store_true", help="time unpruned trees only (threshold 0)")
     p.add_argument("--tolerance", type=float, default=TUNE_TOLERANCE,
                    help="candidates within this fraction of the best speedup count as tied; of them the one with the "
@@ -417,6 +439,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
 def check_tune_args(args) -> None:
     """Flags, heads and data checked before the model loads."""
     in_unit_interval(args.tolerance, "tolerance", open_high=True)
+    resolve_dtype(args.dtype)
+    if not args.recorded:
+        resolve_device(args.device)
     for name in ("prompts_n", "max_new_tokens", "repeats", "threads"):
         at_least(getattr(args, name), 1, name)
     at_least(args.finalists, 0, "finalists")
@@ -458,7 +483,7 @@ def run_tune(args) -> int:
         return _repick(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else None)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.draft_model is not None:
         return _run_tune_pair(args, loaded)
     p = loaded.model.get_output_embeddings().weight
@@ -489,7 +514,8 @@ def run_tune(args) -> int:
               "threads": torch.get_num_threads(), "rank_accuracy": acc,
               "candidates": [{**asdict(c), "spec": c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec]}
                              for c in cands]}
-    return _record(args.heads, heads.config, cands, {**search, **_rule(args.tolerance)}, sampled=args.temperature > 0)
+    return _record(args.heads, heads.config, cands, {**search, **_rule(args.tolerance), "hardware": this_hardware(p.device)},
+                   sampled=args.temperature > 0, device=p.device.type)
 
 
 def _rounds(args) -> int:
@@ -554,28 +580,54 @@ SEARCH_FILE = "tune-tree.json"
 SAMPLED_SEARCH_FILE = "tune-tree-sampled.json"   # ``--temperature``: the timings behind ``decode.sampled``
 
 
+def search_file(*, sampled: bool = False, device: str = HOME_DEVICE) -> str:
+    """Where a heads directory keeps the timings behind its settings for one mode and kind of device:
+    tune-tree.json / tune-tree-sampled.json for the CPU's, tune-tree-cuda.json / tune-tree-cuda-sampled.json
+    for a GPU's."""
+    if device == HOME_DEVICE:
+        return SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE
+    return f"tune-tree-{device}{'-sampled' if sampled else ''}.json"
+
+
+def recorded_devices(heads_dir) -> tuple[str, ...]:
+    """The kinds of device tune-tree timed these heads on (the CPU first), from the record files present."""
+    found = {HOME_DEVICE} if (Path(heads_dir) / SEARCH_FILE).is_file() or (Path(heads_dir) / SAMPLED_SEARCH_FILE).is_file() \
+        else set()
+    for path in Path(heads_dir).glob("tune-tree-*.json"):
+        kind = path.stem[len("tune-tree-"):].removesuffix("-sampled")
+        if kind != "sampled" and kind.isidentifier() and kind.islower():
+            found.add(kind)
+    return tuple(sorted(found, key=lambda k: (k != HOME_DEVICE, k)))
+
+
 def _settings(c: Candidate, without_lookup: DecodeSettings | None = None) -> DecodeSettings:
     return DecodeSettings(tree=c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec], threshold=c.threshold,
                           gate=c.gate, lookup=c.lookup, without_lookup=without_lookup)
 
 
-def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled: bool = False) -> int:
-    """The picks (``pick_settings``) into the heads' ``decode`` section (what "auto" reads; ``sampled``: into
-    its ``sampled`` settings, the greedy ones kept, and the other way round) and the timings behind them
-    into tune-tree.json (tune-tree-sampled.json); the weights are not rewritten."""
+def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled: bool = False,
+            device: str = HOME_DEVICE) -> int:
+    """The picks (``pick_settings``) into the heads' ``decode`` settings for this kind of device (what
+    "auto" reads there; ``sampled``: into its ``sampled`` settings, the greedy ones kept, and the other way
+    round; other devices' kept) and the timings behind them into ``search_file``; the weights are not
+    rewritten."""
     best, off = pick_settings(cands, tolerance=search["tolerance"])
     picked = _settings(best, None if off is None else _settings(off))
-    config.decode = config.decode.with_pick(picked, sampled=sampled)
+    # A first run on a kind of device starts from the CPU's settings: the mode it did not time reads what it read before.
+    mine = config.decode.for_device(device)
+    config.decode = config.decode.with_device(device, mine.with_pick(picked, sampled=sampled))
     config.provenance.pop("tree_search", None)   # a legacy config's timings: they move to tune-tree.json
     write_heads_config(heads_dir, asdict(config))
-    atomic_write_text(Path(heads_dir) / (SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE), json.dumps(search, indent=1))
-    return _report_choice(heads_dir, best, off, sampled=sampled)
+    atomic_write_text(Path(heads_dir) / search_file(sampled=sampled, device=device),
+                      json.dumps({**search, "device": device}, indent=1))
+    return _report_choice(heads_dir, best, off, sampled=sampled, device=device)
 
 
-def recorded_search(heads_dir, *, sampled: bool = False) -> dict | None:
-    """The candidates the last tune-tree run timed for these heads, greedy or (``sampled``) at a temperature
-    (heads tuned before selfspec 0.2 keep the greedy ones in their provenance), or None."""
-    path = Path(heads_dir) / (SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE)
+def recorded_search(heads_dir, *, sampled: bool = False, device: str = HOME_DEVICE) -> dict | None:
+    """The candidates the last tune-tree run on this kind of device timed for these heads, greedy or
+    (``sampled``) at a temperature (heads tuned before selfspec 0.2 keep the CPU's greedy ones in their
+    provenance), or None."""
+    path = Path(heads_dir) / search_file(sampled=sampled, device=device)
     if path.is_file():
         try:
             search = json.loads(path.read_text())
@@ -584,12 +636,14 @@ def recorded_search(heads_dir, *, sampled: bool = False) -> dict | None:
         if not isinstance(search, dict):
             raise ValueError(f"{path} is not a tune-tree record (corrupt JSON): delete it and run `selfspec tune-tree` again")
         return search
-    return None if sampled else read_heads_config(heads_dir).provenance.get("tree_search")
+    return None if sampled or device != HOME_DEVICE else read_heads_config(heads_dir).provenance.get("tree_search")
 
 
-def _report_choice(path: str, best: Candidate, off: Candidate | None = None, *, sampled: bool = False) -> int:
+def _report_choice(path: str, best: Candidate, off: Candidate | None = None, *, sampled: bool = False,
+                   device: str = HOME_DEVICE) -> int:
     shape = lambda c: c.spec if isinstance(c.spec, str) else f"{len(c.spec)}-node tree"  # noqa: E731
-    print(f"tree=auto for {path}{' when sampling' if sampled else ''} is now the {shape(best)}, threshold=auto "
+    where = "" if device == HOME_DEVICE else f" on {device}"
+    print(f"tree=auto for {path}{where}{' when sampling' if sampled else ''} is now the {shape(best)}, threshold=auto "
           f"{best.threshold}, gate=auto {best.gate}, lookup=auto {best.lookup}")
     if off is not None:
         print(f"with lookup=0: the {shape(off)}, threshold=auto {off.threshold}, gate=auto {off.gate}")
@@ -599,13 +653,14 @@ def _report_choice(path: str, best: Candidate, off: Candidate | None = None, *, 
 def _repick(args) -> int:
     """--recorded: apply ``pick`` again to the candidates the last tune-tree runs timed, greedy and sampled
     (no weights rewritten)."""
-    searches = {sampled: recorded_search(args.heads, sampled=sampled) for sampled in (False, True)}
-    searches = {sampled: s for sampled, s in searches.items() if s and s.get("candidates")}
+    searches = {(device, sampled): recorded_search(args.heads, sampled=sampled, device=device)
+                for device in (recorded_devices(args.heads) or (HOME_DEVICE,)) for sampled in (False, True)}
+    searches = {key: s for key, s in searches.items() if s and s.get("candidates")}
     if not searches:
         raise ValueError(f"{args.heads} records no tune-tree timings: run `selfspec tune-tree` without --recorded first")
-    for sampled, search in searches.items():
+    for (device, sampled), search in searches.items():
         _record(args.heads, read_heads_config(args.heads), _from_records(search["candidates"]),
-                {**search, **_rule(args.tolerance)}, sampled=sampled)
+                {**search, **_rule(args.tolerance)}, sampled=sampled, device=device)
     return 0
 
 
