@@ -37,7 +37,7 @@
 #   5. bench, compiled (--compile: selfspec's static-shape step through torch.compile, CUDA graphs on a
 #      GPU), bfloat16, batch 1 and batches of 8, against hf-generate and hf-static in the same runs
 #   6. tune-tree for this kind of device: the shipped EAGLE head's candidates (wide trees too, on a GPU)
-#      timed in bfloat16 on min(--sample, 12) held-out prompts of its broad training data (as many again for
+#      timed in bfloat16 on min(--sample, 12) held-out prompts of its training data (as many again for
 #      the finalists; --quick: 1 prompt, 16 tokens, float32, uncut trees only); the timings go to $OUT/eagle-tune/ (tune-tree-cuda.json). To ship them:
 #        cp $OUT/eagle-tune/tune-tree-cuda.json checkpoints/smollm2-135m/eagle/
 #        selfspec tune-tree --heads checkpoints/smollm2-135m/eagle --recorded
@@ -212,7 +212,8 @@ rm -rf "$TUNE_DIR" && cp -r checkpoints/smollm2-135m/eagle "$TUNE_DIR"
 rm -f "$TUNE_DIR"/tune-tree*.json
 TSIZE=(--prompts-n $(( SAMPLE < 12 ? SAMPLE : 12 )) --max-new-tokens 128 --dtype bfloat16)
 [ "$QUICK" = 1 ] && TSIZE=(--prompts-n 1 --max-new-tokens 16 --finalists 0 --no-prune --dtype float32)
-"$PY" -m selfspec tune-tree --model smollm2-135m --heads "$TUNE_DIR" --data training/data/smollm2-135m-broad-gpu \
+TDATA=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['provenance']['data'])" "$TUNE_DIR/config.json")
+"$PY" -m selfspec tune-tree --model smollm2-135m --heads "$TUNE_DIR" --data "$TDATA" \
     --device "$DEVICE" --repeats 1 "${TSIZE[@]}" | tee "$OUT/eagle-tune.txt"
 rm -f "$TUNE_DIR/model.safetensors" "$TUNE_DIR/README.md"   # the weights are the shipped ones: the timings and picks stay
 fi
