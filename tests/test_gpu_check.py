@@ -75,7 +75,7 @@ def test_wide_eagle_default_fills_the_largest_bucket():
 @pytest.mark.parametrize("args, message", [
     (["--sample", "0"], "--sample must be a positive whole number"),
     (["--eagle-heads", "/nonexistent"], "holds no heads"),
-    (["--skip", "2,9"], "comma list of steps 2-5"),
+    (["--skip", "2,9"], "comma list of steps 2-6"),
     (["--dtypes", "fp8"], "float32 and/or bfloat16"),
     (["--wide-tree", "wide"], "--wide-tree takes default, none or dynamic-D-K-M"),
 ])
