@@ -38,7 +38,8 @@
 #      GPU), bfloat16, batch 1 and batches of 8, against hf-generate and hf-static in the same runs
 #   6. tune-tree for this kind of device: the shipped EAGLE head's candidates (wide trees too, on a GPU)
 #      timed in bfloat16 on min(--sample, 12) held-out prompts of its training data (as many again for
-#      the finalists; --quick: 1 prompt, 16 tokens, float32, uncut trees only); the timings go to $OUT/eagle-tune/ (tune-tree-cuda.json). To ship them:
+#      the finalists; --quick: 1 prompt, 16 tokens, float32, uncut trees only); the timings go to
+#      $OUT/eagle-tune/ (tune-tree-cuda.json). To ship them:
 #        cp $OUT/eagle-tune/tune-tree-cuda.json checkpoints/smollm2-135m/eagle/
 #        selfspec tune-tree --heads checkpoints/smollm2-135m/eagle --recorded
 #      ("auto" on a GPU then reads these settings; a CPU keeps its own)
@@ -60,7 +61,7 @@ while [ $# -gt 0 ]; do
         --batch-methods) BATCHED="$2"; shift 2 ;;
         --eagle-heads) EAGLE_HEADS="$2"; shift 2 ;;
         --wide-tree) WIDE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done

@@ -78,7 +78,8 @@ AUTO = ("auto", None)
 HOME_DEVICE = "cpu"
 
 
-def _is_device_type(kind) -> bool:
+def is_device_type(kind) -> bool:
+    """A device type that may hold settings of its own (``torch.device.type``: lower-case, not the CPU's)."""
     return isinstance(kind, str) and kind.isidentifier() and kind.islower() and kind != HOME_DEVICE
 
 
@@ -130,7 +131,7 @@ class DecodeSettings:
         if section == "without_lookup" and lookup != 0:
             raise ValueError(f"{where} holds the settings with the lookup off: its lookup must be 0 (got {lookup})")
         without, sampled, devices = raw.get("without_lookup"), raw.get("sampled"), raw.get("devices") or {}
-        if not isinstance(devices, dict) or not all(_is_device_type(k) for k in devices):
+        if not isinstance(devices, dict) or not all(is_device_type(k) for k in devices):
             raise ValueError(f"{where}'s devices must map device types other than {HOME_DEVICE!r} (e.g. \"cuda\") "
                              f"to decode settings (got {devices!r})")
         return cls(tree=tree, threshold=_checked(raw.get("threshold", 0.0), "threshold", float),

@@ -62,7 +62,7 @@ from ..loading import check_model_name, load_model, resolve_device, resolve_dtyp
 from ..model import tune_layouts
 from ..projection import few_row_linears
 from ..sampling import SamplingParams
-from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings
+from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings, is_device_type
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
 from ..static import BUCKETS
 from ..tuned_pairs import SAMPLED_SEARCH_KEY, read_pair_record, write_pair_record
@@ -591,11 +591,12 @@ def search_file(*, sampled: bool = False, device: str = HOME_DEVICE) -> str:
 
 def recorded_devices(heads_dir) -> tuple[str, ...]:
     """The kinds of device tune-tree timed these heads on (the CPU first), from the record files present."""
-    found = {HOME_DEVICE} if (Path(heads_dir) / SEARCH_FILE).is_file() or (Path(heads_dir) / SAMPLED_SEARCH_FILE).is_file() \
-        else set()
-    for path in Path(heads_dir).glob("tune-tree-*.json"):
-        kind = path.stem[len("tune-tree-"):].removesuffix("-sampled")
-        if kind != "sampled" and kind.isidentifier() and kind.islower():
+    found = set()
+    for path in Path(heads_dir).glob("tune-tree*.json"):   # search_file's names: tune-tree[-DEVICE][-sampled].json
+        parts = path.stem.split("-")[2:]
+        parts = parts[:-1] if parts and parts[-1] == "sampled" else parts
+        kind = HOME_DEVICE if not parts else parts[0] if len(parts) == 1 and is_device_type(parts[0]) else None
+        if kind:
             found.add(kind)
     return tuple(sorted(found, key=lambda k: (k != HOME_DEVICE, k)))
 
