@@ -208,8 +208,45 @@ def test_a_method_can_run_other_heads_beside_its_own(tmp_path):
     assert max(map(len, notes[f"medusa@{tmp_path / 'two-heads'}_tree"])) == 2 and max(map(len, notes["medusa_tree"])) == 4
     assert len(results[names[2]]["acceptance_by_depth"]) <= 2 and len(results["selfspec-medusa"]["acceptance_by_depth"]) <= 4
     for bad, match in (("selfspec-ar@x", "only a selfspec method with trained heads"),
-                       ("hf-generate@x", "only a selfspec method"), ("selfspec-medusa@", "name a heads directory"),
+                       ("hf-generate@x", "only a selfspec method"), ("selfspec-medusa@", "name a heads or corpus directory"),
                        ("selfspec-warp@x", "unknown method")):
+        with pytest.raises(ValueError, match=match):
+            parse_methods(bad)
+
+
+def test_a_method_can_read_another_corpus_beside_its_own(tmp_path):
+    """selfspec-lookup@CORPUS_DIR (and the heads drafters' likewise) reads that corpus in the same run as
+    the method reading the run's own (an A/B of two corpora); the heads stay the method's own, and a
+    corpus is refused after a method whose lookup reads none."""
+    from selfspec.backbone import config_fingerprint
+    from selfspec.corpus import Corpus
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    answers = []
+    for seed in range(100, 108):   # the model's own answers to other prompts: what a corpus holds
+        ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(seed))
+        answers.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                      pad_token_id=0)[0, 6:].tolist())
+    Corpus.from_answers(answers, base_model="tiny", base_fingerprint=config_fingerprint(model.config),
+                        vocab_size=model.config.vocab_size).save(tmp_path / "corpus")
+    other = f"@{tmp_path / 'corpus'}"
+    names = parse_methods(f"selfspec-lookup,selfspec-lookup{other},selfspec-eagle{other}")
+    assert names == [BASELINE, "selfspec-lookup", f"selfspec-lookup{other}", f"selfspec-eagle{other}"]
+    methods, notes = build_methods(names, model=model, tokenizer=None, model_name="tiny", temperature=0.0)
+    assert notes[f"corpus{other}"] == str(tmp_path / "corpus") and notes["eagle"] == "untrained"
+    prompts = [Prompt(id=str(i), category="all", text=str(100 + i)) for i in range(3)]
+
+    def encode(text):   # the prompts the corpus's answers followed: its chains apply from the first step
+        return torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(int(text)))
+    results = run_bench(methods, prompts, encode, model=model, max_new_tokens=16, temperature=0.0, progress=False)
+    assert all(results[n]["identical"] is True for n in names[1:])
+    # Without a corpus the lookup has only the context (and the last token alone); with it, it drafts more.
+    assert results[f"selfspec-lookup{other}"]["tau"] > results["selfspec-lookup"]["tau"]
+    for bad, match in ((f"selfspec-lookup-context{other}", "only a method whose lookup reads one"),
+                       (f"selfspec-eagle-heads{other}", "only a method whose lookup reads one"),
+                       (f"selfspec-early-exit{other}", "only a method whose lookup reads one"),
+                       ("selfspec-lookup@x", "one whose lookup reads a corpus @CORPUS_DIR")):
         with pytest.raises(ValueError, match=match):
             parse_methods(bad)
 

@@ -13,7 +13,7 @@ from ..heads import read_heads_config
 from ..io import prompt_ids
 from ..loading import check_model_name, load_model
 from ..backbone import config_fingerprint
-from ..corpus import load_corpus
+from ..corpus import load_corpus, read_corpus_config
 from ..projection import packing_works
 from .. import timings
 from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, RETIME_HELP, SETTING_HELP, SETTING_KEYS,
@@ -21,7 +21,7 @@ from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, R
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, DRAFT_METHODS, load_prompts, run_bench
-from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, split_variant
+from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, is_corpus_dir, parse_methods, split_variant
 from .report import decoding_mode, markdown, write_report
 
 def add_bench_args(p) -> None:
@@ -34,7 +34,8 @@ def add_bench_args(p) -> None:
                    help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())}); "
                         "all (the default) leaves out those that need --draft-model when none is given; "
                         "a method with heads takes other heads as METHOD@DIR (e.g. selfspec-medusa@out/heads "
-                        "beside selfspec-medusa: two trainings in one run)")
+                        "beside selfspec-medusa: two trainings in one run), and one whose lookup reads a corpus "
+                        "takes another corpus the same way (selfspec-lookup@out/corpus beside selfspec-lookup)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
     p.add_argument("--draft-model", default=None, help="draft for hf-assisted(-bf16) / selfspec-draft-model")
@@ -113,7 +114,10 @@ def _check_selfspec_flags(args, names: list[str]) -> None:
             read_heads_config(heads[drafter], expect_kind=drafter)
     for drafter, variant in runs:
         if variant is not None:
-            read_heads_config(variant, expect_kind=drafter)
+            if is_corpus_dir(variant):
+                read_corpus_config(variant)
+            else:
+                read_heads_config(variant, expect_kind=drafter)
     if DRAFT_METHODS & set(names):
         path = args.draft_model or shipped_draft(args.model)
         if path is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import transformers
@@ -14,7 +16,7 @@ from ..backbone import Backbone, config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
-from ..corpus import Corpus
+from ..corpus import Corpus, load_corpus
 from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS
 from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
@@ -37,27 +39,45 @@ def left_padded(batch: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torc
 
 
 def split_variant(name: str) -> tuple[str, str | None]:
-    """"selfspec-medusa@DIR" -> ("selfspec-medusa", "DIR"): the method run with the heads in DIR instead of
-    its --PREFIX-heads (so two trainings of one kind compare in one run); a plain name -> (name, None)."""
+    """"selfspec-medusa@DIR" -> ("selfspec-medusa", "DIR"): the method run with the heads or the corpus in
+    DIR instead of its own (so two trainings, or two corpora, compare in one run); a plain name -> (name, None)."""
     base, sep, path = name.partition("@")
     return base, (path if sep else None)
+
+
+def is_corpus_dir(path: str) -> bool:
+    """Whether ``path`` is a directory `selfspec build-corpus` wrote (its config.json says kind "corpus")."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("kind") == "corpus"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def parse_methods(spec: str | None) -> list[str]:
     """"all" or a comma list -> method names, old names mapped to today's (once each), baseline first if not given.
 
-    A selfspec method with heads may name other heads after an "@" (``selfspec-medusa@DIR``)."""
+    A selfspec method with heads may name other heads after an "@" (``selfspec-medusa@DIR``); one whose
+    lookup reads a corpus may name another corpus there (``selfspec-lookup@CORPUS_DIR``)."""
     names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if split_variant(n)[0] not in ALL_METHODS and n not in ALIASES]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}")
+    with_heads = [m for m, v in SELFSPEC_METHODS.items() if v[0] in HEADS_DRAFTERS]
+    with_corpus = [m for m, v in SELFSPEC_METHODS.items() if reads_corpus(v[0], v[2])]
     for n in names:
         base, path = split_variant(n)
-        if path is not None and (base not in SELFSPEC_METHODS or SELFSPEC_METHODS[base][0] not in HEADS_DRAFTERS):
+        if path is None:
+            continue
+        if not path:
+            raise ValueError(f"{n}: name a heads or corpus directory after the @ (e.g. {base}@out/heads)")
+        if is_corpus_dir(path):
+            if base not in with_corpus:
+                raise ValueError(f"{n}: {path} is a corpus, and only a method whose lookup reads one takes a "
+                                 f"corpus after the @ ({', '.join(with_corpus)})")
+        elif base not in with_heads:
             raise ValueError(f"{n}: only a selfspec method with trained heads takes @HEADS_DIR "
-                             f"({', '.join(m for m, v in SELFSPEC_METHODS.items() if v[0] in HEADS_DRAFTERS)})")
-        if path is not None and not path:
-            raise ValueError(f"{n}: name a heads directory after the @ (e.g. {base}@out/heads)")
+                             f"({', '.join(with_heads)}), and one whose lookup reads a corpus @CORPUS_DIR "
+                             f"({', '.join(with_corpus)})")
     names = list(dict.fromkeys(ALIASES.get(n, n) for n in names))
     if BASELINE not in names:
         names.insert(0, BASELINE)  # the baseline every speedup is divided by
@@ -89,6 +109,12 @@ SELFSPEC_METHODS = {
 }
 
 
+def reads_corpus(drafter: str, pinned: dict) -> bool:
+    """Whether a method of ``drafter`` with ``pinned`` settings reads a corpus where the context has no
+    match (not a "-context" method, nor a "-heads" one, whose lookup is off)."""
+    return drafter in LOOKUP_DRAFTERS and pinned.get("corpus") != "none" and pinned.get("lookup") != 0
+
+
 def flag_prefixes() -> dict[str, str]:
     """Bench flag prefix -> the drafter it configures ("exit" -> "early-exit")."""
     return {prefix: drafter for drafter, prefix, _ in SELFSPEC_METHODS.values() if prefix}
@@ -114,7 +140,7 @@ def build_methods(
     heads: drafter -> heads directory (a drafter left out runs untrained heads, with a warning).
     settings: drafter -> {setting: value} as the user gave them ("auto" for tuned or default).
     corpus: what the lookup of the lookup, medusa and eagle methods reads where the context has no
-    match (their "-context" variants never read it).
+    match (their "-context" variants never read it; a METHOD@CORPUS_DIR reads that corpus instead).
     """
     heads, settings = heads or {}, settings or {}
     sampling = temperature > 0
@@ -228,15 +254,26 @@ def build_methods(
     if needs_draft:
         notes["draft_model"] = getattr(draft_model, "name_or_path", None) or "given"
 
+    loaded_corpora = {}  # a METHOD@CORPUS_DIR's corpus, loaded once per directory
+
+    def corpus_for(variant: str) -> Corpus:
+        if variant not in loaded_corpora:
+            loaded_corpora[variant] = load_corpus(variant, fingerprint=config_fingerprint(model.config))
+            notes[f"corpus@{variant}"] = variant
+        return loaded_corpora[variant]
+
     def selfspec_method(name: str):
         base, variant = split_variant(name)
         drafter, _, pinned = SELFSPEC_METHODS[base]
+        own_corpus = variant is not None and is_corpus_dir(variant)
         pinned = dict(pinned)
-        reads_corpus = pinned.pop("corpus", None) != "none" and drafter in LOOKUP_DRAFTERS
+        method_corpus = (corpus_for(variant) if own_corpus else corpus) if reads_corpus(drafter, pinned) else None
+        pinned.pop("corpus", None)
+        heads_variant = None if own_corpus else variant
         sm = SelfSpeculativeModel(model, tokenizer, drafter_name=drafter, name=model_name,
-                                  heads=heads_for(drafter, variant) if drafter in HEADS_DRAFTERS else None,
+                                  heads=heads_for(drafter, heads_variant) if drafter in HEADS_DRAFTERS else None,
                                   draft_model=draft_model if drafter == "draft-model" else None,
-                                  corpus=corpus if reads_corpus else None,
+                                  corpus=method_corpus,
                                   compile=step if step is not None else False, **{**settings.get(drafter, {}), **pinned})
         key = base.removeprefix("selfspec-").replace("-", "_") + ("" if variant is None else f"@{variant}")
         for setting, value in asdict(sm.sampled_settings if sampling else sm.settings).items():
