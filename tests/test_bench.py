@@ -246,7 +246,8 @@ def test_a_method_can_read_another_corpus_beside_its_own(tmp_path):
     for bad, match in ((f"selfspec-lookup-context{other}", "only a method whose lookup reads one"),
                        (f"selfspec-eagle-heads{other}", "only a method whose lookup reads one"),
                        (f"selfspec-early-exit{other}", "only a method whose lookup reads one"),
-                       ("selfspec-lookup@x", "one whose lookup reads a corpus @CORPUS_DIR")):
+                       ("selfspec-lookup@x", "x is not a corpus directory"),
+                       ("selfspec-ar@x", "one whose lookup reads a corpus @CORPUS_DIR")):
         with pytest.raises(ValueError, match=match):
             parse_methods(bad)
 

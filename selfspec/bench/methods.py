@@ -16,7 +16,7 @@ from ..backbone import Backbone, config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
-from ..corpus import Corpus, load_corpus
+from ..corpus import Corpus, load_corpus, read_corpus_config
 from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS
 from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
@@ -74,6 +74,11 @@ def parse_methods(spec: str | None) -> list[str]:
             if base not in with_corpus:
                 raise ValueError(f"{n}: {path} is a corpus, and only a method whose lookup reads one takes a "
                                  f"corpus after the @ ({', '.join(with_corpus)})")
+        elif base in with_corpus and base not in with_heads:
+            try:
+                read_corpus_config(path)          # says what is wrong with it
+            except ValueError as e:
+                raise ValueError(f"{n}: {e}") from None
         elif base not in with_heads:
             raise ValueError(f"{n}: only a selfspec method with trained heads takes @HEADS_DIR "
                              f"({', '.join(with_heads)}), and one whose lookup reads a corpus @CORPUS_DIR "
