@@ -1015,7 +1015,7 @@ def test_tune_tree_for_a_draft_model_records_the_pick_for_that_pair(tmp_path, mo
     default = DRAFTER_SETTINGS["draft-model"]
     sm = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
     assert (sm.settings.tree, sm.settings.threshold) == (default.tree, default.threshold)   # not tuned yet
-    write_pair_record(model, draft, DecodeSettings(tree="chain-6", threshold=0.3), {"candidates": []})
+    write_pair_record(model, draft, DecodeSettings(tree="chain-6", threshold=0.3), {("cpu", False): {"candidates": []}})
     sm = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
     assert (sm.settings.tree, sm.settings.threshold) == ("chain-6", 0.3)
     assert sm.drafter.threshold == 0.3 and sm.drafter.tree.size == 7
@@ -1072,3 +1072,32 @@ def test_tune_tree_for_a_draft_model_records_the_pick_for_that_pair(tmp_path, mo
     out = capsys.readouterr().out
     assert "when sampling is now" in out and out.count("is now") == 2
     assert json.loads(path.read_text())["sampled_search"]["tolerance"] == 0
+
+    # Per kind of device, as for heads: a GPU's pick (what a run there records) is what "auto" reads on
+    # a GPU; a CPU run leaves it and its timings alone; --recorded re-picks it with the rest.
+    from selfspec.settings import resolve_settings
+    from selfspec.tuned_pairs import pair_decode, pair_searches, read_pair_record
+
+    rec = read_pair_record(model, draft)
+    gpu_cands = [dict(c, speedup=9.0 if c["spec"] == "chain-2" and c["threshold"] == 0.0 else c["speedup"])
+                 for c in rec["candidates"]]
+    gpu_search = {"device": "cuda", "candidates": gpu_cands, "tolerance": 0.0}
+    decode = DecodeSettings.from_json(rec["decode"])
+    write_pair_record(model, draft, decode.with_device("cuda", DecodeSettings(tree="chain-2", threshold=0.0)),
+                      {**pair_searches(rec), ("cuda", False): gpu_search})
+    on_gpu = resolve_settings("draft-model", pair_decode(model, draft), device="cuda")
+    assert (on_gpu.tree, on_gpu.threshold) == ("chain-2", 0.0)
+    sm = SelfSpeculativeModel(model, None, drafter_name="draft-model", heads=None, draft_model=draft, name="tiny")
+    assert sm.settings.tree == rec["decode"]["tree"]                       # the CPU reads its own
+    assert main(argv) == 0                                                  # a CPU run: the GPU's record stays
+    capsys.readouterr()
+    after = json.loads(path.read_text())
+    assert after["device_searches"]["cuda"]["greedy"] == gpu_search
+    assert DecodeSettings.from_json(after["decode"]).for_device("cuda").tree == "chain-2"
+    assert set(pair_searches(after)) == {("cpu", False), ("cpu", True), ("cuda", False)}
+    assert main(argv[:5] + ["--recorded", "--tolerance", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "on cuda is now chain-2, threshold=auto 0.0" in out and out.count("is now") == 3
+    path.write_text(json.dumps({**after, "device_searches": {"cuda": {"warm": {}}}}))
+    with pytest.raises(ValueError, match="not a tune-tree record"):
+        read_pair_record(model, draft)

@@ -65,7 +65,7 @@ from ..sampling import SamplingParams
 from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings, is_device_type
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
 from ..static import BUCKETS
-from ..tuned_pairs import SAMPLED_SEARCH_KEY, read_pair_record, write_pair_record
+from ..tuned_pairs import pair_searches, read_pair_record, write_pair_record
 from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, check_corpus_arg, in_unit_interval
 from .data import read_meta
@@ -532,8 +532,9 @@ def _print_candidates(cands: list[Candidate]) -> None:
 
 def _run_tune_pair(args, loaded) -> int:
     """--draft-model: time the pair's chains, greedy or sampled (``--temperature``), or with --recorded choose
-    again from the recorded timings; record the picks for this pair. A sampled run keeps the greedy
-    pick and its timings, a greedy run the sampled ones (``SAMPLED_SEARCH_KEY``)."""
+    again from the recorded timings; record the picks for this pair and this kind of device (what "auto"
+    reads there). The other mode's pick and timings stay, and so do other devices' (``pair_searches``)."""
+    device = loaded.model.device.type
     draft = load_model(args.draft_model, device=loaded.model.device).model
     w = draft.get_output_embeddings().weight
     draft.to(draft_dtype(w.device, w.dtype))   # converted once here, as from_pretrained does
@@ -543,14 +544,14 @@ def _run_tune_pair(args, loaded) -> int:
         if args.recorded:
             raise
         old = {}   # a torn record: this run's timings replace it
-    searches = {False: {k: v for k, v in old.items() if k not in ("decode", SAMPLED_SEARCH_KEY)} or None,
-                True: old.get(SAMPLED_SEARCH_KEY)}
+    searches = pair_searches(old)
     if args.recorded:
-        searches = {sampled: {**search, **_rule(args.tolerance)} for sampled, search in searches.items()
+        searches = {key: {**search, **_rule(args.tolerance)} for key, search in searches.items()
                     if search and search.get("candidates")}
         if not searches:
             raise ValueError(f"{args.model} with draft {args.draft_model} records no tune-tree timings: run "
                              "`selfspec tune-tree --draft-model` without --recorded first")
+        timed = list(searches)
     else:
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompts = [torch.tensor(prompt_ids(loaded.tokenizer, pr.text, chat=chat))
@@ -559,19 +560,22 @@ def _run_tune_pair(args, loaded) -> int:
                                     repeats=args.repeats, n_prompts=args.prompts_n, prune=not args.no_prune,
                                     tolerance=args.tolerance, finalists=args.finalists, temperature=args.temperature)
         _print_candidates(cands)
-        searches[args.temperature > 0] = {
+        timed = [(device, args.temperature > 0)]
+        searches[timed[0]] = {
             "target": args.model, "draft": args.draft_model, "prompts": Path(args.prompts).name,
             "n_prompts": min(args.prompts_n, len(prompts)), "finalists": args.finalists, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, **({"temperature": args.temperature} if args.temperature > 0 else {}),
-            "threads": torch.get_num_threads(), "candidates": [asdict(c) for c in cands], **_rule(args.tolerance)}
+            "threads": torch.get_num_threads(), "device": device, "hardware": this_hardware(loaded.model.device),
+            "candidates": [asdict(c) for c in cands], **_rule(args.tolerance)}
     decode = DecodeSettings.from_json(old.get("decode"))
-    for sampled in (searches if args.recorded else [args.temperature > 0]):   # the other mode's pick stays as it is
-        best = pick(_from_records(searches[sampled]["candidates"]), tolerance=args.tolerance)
+    for kind, sampled in timed:   # the modes and devices not timed keep their picks
+        best = pick(_from_records(searches[kind, sampled]["candidates"]), tolerance=args.tolerance)
         picked = DecodeSettings(tree=best.spec, threshold=best.threshold)
-        decode = decode.with_pick(picked, sampled=sampled)
-        print(f"tree=auto for {args.model} drafted by {args.draft_model}{' when sampling' if sampled else ''} is now "
-              f"{best.spec}, threshold=auto {best.threshold}")
-    path = write_pair_record(loaded.model, draft, decode, searches.get(False) or {}, sampled_search=searches.get(True))
+        # A first run on a kind of device starts from the CPU's settings, as for heads (``_record``).
+        decode = decode.with_device(kind, decode.for_device(kind).with_pick(picked, sampled=sampled))
+        print(f"tree=auto for {args.model} drafted by {args.draft_model}{'' if kind == HOME_DEVICE else f' on {kind}'}"
+              f"{' when sampling' if sampled else ''} is now {best.spec}, threshold=auto {best.threshold}")
+    path = write_pair_record(loaded.model, draft, decode, searches)
     print(f"(recorded in {path})")
     return 0
 
