@@ -149,6 +149,15 @@ class Corpus:
                 f.chmod(SHARED_FILE_MODE)
 
 
+def is_corpus_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory``'s config.json says it is a corpus (whole or not: ``read_corpus_config`` then
+    says what is wrong with it)."""
+    try:
+        return json.loads((Path(directory) / "config.json").read_text()).get("kind") == "corpus"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def read_corpus_config(directory: str | os.PathLike) -> CorpusConfig:
     """The config of a corpus directory, or a one-line ValueError saying what is wrong with it."""
     path = Path(directory)

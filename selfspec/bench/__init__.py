@@ -13,7 +13,7 @@ from ..heads import read_heads_config
 from ..io import prompt_ids
 from ..loading import check_model_name, load_model
 from ..backbone import config_fingerprint
-from ..corpus import load_corpus, read_corpus_config
+from ..corpus import is_corpus_dir, load_corpus, read_corpus_config
 from ..projection import packing_works
 from .. import timings
 from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, RETIME_HELP, SETTING_HELP, SETTING_KEYS,
@@ -21,7 +21,7 @@ from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, R
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, DRAFT_METHODS, load_prompts, run_bench
-from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, is_corpus_dir, parse_methods, split_variant
+from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, split_variant
 from .report import decoding_mode, markdown, write_report
 
 def add_bench_args(p) -> None:

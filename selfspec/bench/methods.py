@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import transformers
@@ -16,7 +14,7 @@ from ..backbone import Backbone, config_fingerprint
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
-from ..corpus import Corpus, load_corpus, read_corpus_config
+from ..corpus import Corpus, is_corpus_dir, load_corpus, read_corpus_config
 from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS
 from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
@@ -43,14 +41,6 @@ def split_variant(name: str) -> tuple[str, str | None]:
     DIR instead of its own (so two trainings, or two corpora, compare in one run); a plain name -> (name, None)."""
     base, sep, path = name.partition("@")
     return base, (path if sep else None)
-
-
-def is_corpus_dir(path: str) -> bool:
-    """Whether ``path`` is a directory `selfspec build-corpus` wrote (its config.json says kind "corpus")."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("kind") == "corpus"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def parse_methods(spec: str | None) -> list[str]:
