@@ -9,7 +9,8 @@ from conftest import hf_greedy, tiny_model
 from selfspec.backbone import Backbone
 from selfspec.decode import decode
 from selfspec.drafters import LookupDrafter, MedusaDrafter
-from selfspec.drafters.lookup import MAX_NGRAM, context_match, copied_chain, copy_prior, graft
+from selfspec.drafters.lookup import (MAX_NGRAM, chain_nodes, context_match, copied_chain, copy_prior, graft,
+                                      grafted_path_p)
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.sampling import SamplingParams
 from selfspec.drafters.base import DecodeState, Draft
@@ -99,6 +100,35 @@ def test_graft_ranks_past_a_pruned_sibling():
     paths = ((0,), (2,))
     merged, _ = graft(paths, [100, 10, 12], [40])
     assert merged == ((0,), (2,), (3,))
+
+
+def test_a_copied_chain_through_drafted_nodes_keeps_its_own_chance_when_greedy():
+    # Drafted: (0,)=10 at 0.2, (1,)=11 at 0.5, (0, 0)=12 at 0.1. A strong match copies 10, 12, 13.
+    paths, tokens = ((0,), (1,), (0, 0)), [100, 10, 11, 12]
+    draft = Draft(tree=build_tree(paths), tokens=torch.tensor(tokens), path_p=torch.tensor([1.0, 0.2, 0.5, 0.1]))
+    merged, toks = graft(paths, tokens, [10, 12, 13])
+    tree = build_tree(merged)
+    assert chain_nodes(tree.parents.tolist(), toks, [10, 12, 13]) == [1, 3, 4]
+    assert chain_nodes(tree.parents.tolist(), toks, [11, 99]) == [2]           # stops where no node holds it
+    prior = (0.9, 0.8)
+    # Without agreement (sampling) the chain inherits the drafted nodes' chances: 0.2, 0.1, then 0.1 * 0.8.
+    old = grafted_path_p(draft, tree, toks, [10, 12, 13], prior)
+    assert old.tolist() == pytest.approx([1.0, 0.2, 0.5, 0.1, 0.08])
+    # Greedy: a node both sources propose gets the larger chance, and the copy below builds on it.
+    new = grafted_path_p(draft, tree, toks, [10, 12, 13], prior, agree=True)
+    assert new.tolist() == pytest.approx([1.0, 0.9, 0.5, 0.72, 0.576])
+    # A drafted node more confident than the copy keeps its own chance.
+    sure = Draft(tree=draft.tree, tokens=draft.tokens, path_p=torch.tensor([1.0, 0.95, 0.02, 0.9]))
+    both = grafted_path_p(sure, tree, toks, [10, 12, 13], prior, agree=True)
+    assert both.tolist() == pytest.approx([1.0, 0.95, 0.02, 0.9, 0.72])
+    # A copy that branches off where the draft proposed another child: the prior from there on.
+    merged, toks2 = graft(paths, tokens, [10, 20, 21])
+    tree2 = build_tree(merged)
+    off = grafted_path_p(draft, tree2, toks2, [10, 20, 21], prior, agree=True)
+    assert off.tolist() == pytest.approx([1.0, 0.9, 0.5, 0.1, 0.72, 0.576])
+    for t, p in ((tree, new), (tree, both), (tree2, off)):   # no child outscores its parent
+        parents = t.parents.tolist()
+        assert all(p[i] <= p[parents[i]] for i in range(1, t.size))
 
 
 def test_medusa_with_lookup_is_exact_and_uses_the_copied_tokens():

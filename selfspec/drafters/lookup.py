@@ -22,7 +22,9 @@ target's own answers, the first token copied after a match of four tokens or mor
 the time, after two 48%, after one 23% (``settings.COPY_ACCEPT_BY_MATCH``). Each copied node's
 path probability (``Draft.path_p``) says so, and width fitting (``budget.py``) verifies as much of
 each chain as the step's pass is worth on the machine: the long tail of a strong match, the first
-token or two of a weak one, or none of it.
+token or two of a weak one, or none of it. Where a greedy chain runs through nodes the heads drafted
+too, each such node takes the larger of the two chances (``grafted_path_p``): the copy's evidence is
+not thrown away because a head was less sure of the same token.
 
 Sampling too: a copied token is a draft whose q is a point mass on it (its "draw" was certain
 given the context). Rejection sampling handles that exactly: accept it with probability p(x),
@@ -131,19 +133,45 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
     return tuple(paths), tokens
 
 
-def grafted_path_p(draft: Draft, tree: Tree, prior: tuple[float, float]) -> torch.Tensor:
-    """(n,) path probabilities of ``tree`` (``draft``'s tree with copied nodes appended): the draft's own
-    for its nodes (the copied-token prior where it has none), and for each copied node its parent's
-    times ``prior``'s first chance (under the root) or its next one (``copy_prior``). A copied node's
-    chance never exceeds its parent's."""
+def grafted_path_p(draft: Draft, tree: Tree, tokens: Sequence[int], chain: Sequence[int], prior: tuple[float, float],
+                   *, agree: bool = False) -> torch.Tensor:
+    """(n,) path probabilities of ``tree`` (``draft``'s tree with the copied ``chain`` grafted on;
+    ``tokens``: its node tokens): the draft's own for its nodes (the copied-token prior where it has
+    none), and for each copied node its parent's times ``prior``'s first chance (under the root) or
+    its next one (``copy_prior``).
+
+    ``agree`` (greedy only): a drafted node that the chain walks through is proposed by both sources,
+    so its chance is the larger of the draft's and the copy's (its parent's times the prior's); the
+    copied nodes under it build on that. Without it, a strong match (88% first-token acceptance)
+    that runs through a drafted node of chance 0.2 would inherit the 0.2 and be cut by width
+    fitting, and the combined drafter would verify less of it than the lookup alone. When sampling
+    it stays off: a kept node's score must not depend on the token drawn at it (``budget.py``).
+    Either way a node's chance never exceeds its parent's."""
     n_old = draft.tree.size
     old = draft.path_p.float() if draft.path_p is not None else prior_path_p(draft.tree).to(draft.tokens.device)
     first, nxt = prior
     parents = tree.parents.tolist()
     out = old.tolist() + [0.0] * (tree.size - n_old)
-    for i in range(n_old, tree.size):
-        out[i] = out[parents[i]] * (first if parents[i] == 0 else nxt)
+    on_chain = chain_nodes(parents, tokens, chain) if agree else []
+    for i in sorted(set(range(n_old, tree.size)) | set(on_chain)):
+        copy = out[parents[i]] * (first if parents[i] == 0 else nxt)
+        out[i] = max(out[i], copy) if i < n_old else copy
     return torch.tensor(out, device=old.device)
+
+
+def chain_nodes(parents: Sequence[int], tokens: Sequence[int], chain: Sequence[int]) -> list[int]:
+    """The nodes a copied ``chain`` walks through from the root (node 0), in order: at each step the
+    child of the last node that holds the chain's next token. Parents precede children."""
+    children: dict[tuple[int, int], int] = {}
+    for i in range(1, len(parents)):
+        children.setdefault((parents[i], int(tokens[i])), i)
+    at, out = 0, []
+    for t in chain:
+        at = children.get((at, int(t)), -1)
+        if at < 0:
+            break
+        out.append(at)
+    return out
 
 
 def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, corpus: Corpus | None = None) -> Draft:
@@ -159,8 +187,8 @@ def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, co
     tokens = draft.tokens
     paths, merged = graft(draft.tree.paths, tokens.tolist(), copied)
     tree = build_tree(paths, str(tokens.device))
+    path_p = grafted_path_p(draft, tree, merged, copied, prior, agree=not state.params.do_sample)
     merged = torch.tensor(merged, device=tokens.device)
-    path_p = grafted_path_p(draft, tree, prior)
     if not state.params.do_sample:
         return Draft(tree=tree, tokens=merged, resume=draft.resume, path_p=path_p)
     n_old, n_new = draft.tree.size, tree.size - draft.tree.size
