@@ -51,6 +51,7 @@ hid.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import weakref
@@ -150,8 +151,10 @@ class VerifyCost:
     positions per row (the median of ``sweeps`` interleaved sweeps); then what
     decoding's own steps measure (``observe``; the fastest of a shape's last few steps) replaces it
     where seen, and rescales it where not (a
-    real context is longer than the scratch one, and a step does more than its pass). A curve that
-    dips (a CPU BLAS can run 6 rows faster than 3) is flattened: a wider pass is never assumed cheaper.
+    real context is longer than the scratch one, and a step does more than its pass). No width is
+    priced above what a wider one was seen to cost (a load spike at one width must not price every
+    width above it out), and a curve that dips (a CPU BLAS can run 6 rows faster than 3) is flattened:
+    a wider pass is never assumed cheaper.
 
     With ``step`` (a ``StaticStep``, ``compile=True``) a pass costs what its bucket costs (``step.bucket``:
     a tree of 2 nodes runs padded to 4), so the prior times each bucket once through the step itself
@@ -223,7 +226,7 @@ class VerifyCost:
         seen = {w: min(self._seen[rows, self._shape(w)]) for w in range(1, width + 1)
                 if (rows, self._shape(w)) in self._seen}
         scale = statistics.median(seen[w] / prior[w - 1] for w in seen) if seen else 1.0
-        return _flattened([seen.get(w, scale * prior[w - 1]) for w in range(1, width + 1)])
+        return _flattened(_capped([seen.get(w, scale * prior[w - 1]) for w in range(1, width + 1)], seen))
 
     def _curve(self, rows: int, width: int) -> list[float]:
         timed = self._timed.get(rows, {})
@@ -315,6 +318,19 @@ class VerifyCost:
                 cache.keep(pasts, empty)
         step.storage.release(cache)
         return {w: statistics.median(s) for w, s in seconds.items()}
+
+
+def _capped(costs: list[float], seen: dict[int, float]) -> list[float]:
+    """costs[w - 1] capped by what any wider width was seen to cost: timings err high (load only adds
+    time), so where a wider pass measured cheaper, the narrower width's estimate is the spoiled one.
+    Without it, the running maximum (``_flattened``) would carry one slow step at a narrow width to
+    every wider width, which then looks too dear to be chosen and measured again."""
+    out, low = [], math.inf
+    for w in range(len(costs), 0, -1):
+        out.append(min(costs[w - 1], low))
+        if w in seen:
+            low = min(low, seen[w])
+    return out[::-1]
 
 
 def _flattened(costs: list[float]) -> list[float]:

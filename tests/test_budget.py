@@ -131,6 +131,21 @@ def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
     assert cost.table(2, 5)[0] == pytest.approx(3.0)                   # other row counts keep their own prior
 
 
+def test_a_slow_step_at_a_narrow_width_does_not_price_the_wider_ones_out():
+    """Timings err high, so a width is never priced above what a wider one was seen to cost; a spike at
+    width 2 must not lift widths 3-4 (whose own steps were faster) through the running maximum."""
+    cost = _Timed()                                        # prior at 1 row: width w costs 1 + w
+    for w in (1, 2, 4):
+        cost.observe(1, w, 0.0)                            # (each shape's first step is ignored)
+    cost.observe(1, 1, 2.0)
+    cost.observe(1, 2, 9.0)                                # a load spike: width 2's only step
+    cost.observe(1, 4, 3.0)                                # width 4 measured cheaper than that
+    # seen {1: 2, 2: 9, 4: 3} (median ratio to the prior 1): width 2 capped by width 4's 3, and width 3
+    # (unseen, its prior 4) too; width 5 keeps its prior. Without the cap: [2, 9, 9, 9, 9].
+    assert cost.table(1, 5) == pytest.approx([2.0, 3.0, 3.0, 3.0, 6.0])
+    assert cost.width([torch.tensor([0.9, 0.8, 0.7])], 4) == 4   # worth the full tree at those prices
+
+
 def test_a_width_spoiled_by_a_spike_is_measured_again():
     """Widths are measured only when chosen: a spike at the best width must not park a process at
     plain steps for good. Every EXPLORE_EVERY-th step takes a neighbour of the best width instead."""
