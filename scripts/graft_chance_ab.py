@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,6 +31,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
+    if not Path(a.prompts).is_file():
+        ap.exit(2, f"graft_chance_ab: --prompts {a.prompts} is not a file (give a JSONL of prompts)\n")
+    if a.max_new_tokens < 1 or a.threads < 1:
+        ap.exit(2, "graft_chance_ab: --max-new-tokens and --threads must be at least 1\n")
     torch.set_num_threads(a.threads)
     from selfspec import SelfSpeculativeModel
     from selfspec.drafters import lookup
