@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -62,10 +60,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    if not Path(a.prompts).is_file():
-        ap.exit(2, f"rule_ab: --prompts {a.prompts} is not a file (give a JSONL of prompts)\n")
     if a.max_new_tokens < 1 or a.threads < 1:
         ap.exit(2, "rule_ab: --max-new-tokens and --threads must be at least 1\n")
+    from selfspec.training.data import load_prompts
+
+    try:
+        rows = load_prompts(a.prompts) if a.prompts.endswith(".jsonl") else None
+    except ValueError as e:
+        ap.exit(2, f"rule_ab: {e}\n")
+    if not rows:
+        ap.exit(2, f"rule_ab: --prompts {a.prompts} holds no prompts (give a .jsonl file, one {{\"prompt\": ...}} a line)\n")
     drafters = a.drafters.split(",")
     if a.rule != "agree" and drafters != ["eagle"]:
         drafters = ["eagle"]
@@ -73,7 +77,6 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from selfspec import SelfSpeculativeModel
 
-    rows = [json.loads(line) for line in open(a.prompts) if line.strip()]
     models = {d: SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter=d) for d in drafters}
     tok = next(iter(models.values())).tokenizer
 
