@@ -249,6 +249,19 @@ def test_bad_cli_input_is_one_line_and_exit_2(argv, d, request, capsys, monkeypa
     _check_refused(*_run_in_process(_argv(argv, d, out), capsys, monkeypatch), d, before, out)
 
 
+@pytest.mark.parametrize("command", ["train-heads --kind medusa", "train-draft --layers 1"])
+def test_training_on_prompts_with_several_processes_is_refused(command, d, capsys, monkeypatch):
+    """Under a multi-process launch every process would answer the prompts into the same directory:
+    both training commands refuse --prompts there, before the model loads."""
+    out = d / f"out-world-{command.split()[0]}"
+    before = _snapshot(d)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, err = _run_in_process(_argv(f"{command} --model {{d}}/tiny --prompts {{d}}/good.jsonl --out {{o}}", d, out),
+                                capsys, monkeypatch)
+    _check_refused(code, err, d, before, out)
+    assert "generate the data first" in err
+
+
 @pytest.mark.parametrize("case", SUBPROCESS_CASES)
 def test_bad_command_line_in_a_subprocess_is_one_line_and_exit_2(case, d):
     out = d / f"out-sub-{case}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import atomic_dir, atomic_path
+from ..io import atomic_dir, atomic_path, remove_stale_temporaries
 from .cli_args import STATE_FILE  # noqa: F401  (defined where the torch-free CLI checks can read it)
 
 
@@ -60,3 +60,14 @@ def check_resumable(saved: dict, *, differing: list[str], fingerprint: str, voca
         diffs.append("draft vocabulary (the data changed)")
     if diffs:
         raise ValueError(f"cannot resume {out}: {', '.join(diffs)} differ from the saved run; use another --out")
+
+
+def open_run(out, *, resume: bool) -> Path:
+    """The trainer-state file of a training run writing to ``out``. Refuses an ``out`` that already holds
+    a run unless ``resume``; removes the half-written checkpoint files a killed run left."""
+    out = Path(out)
+    if (out / STATE_FILE).is_file() and not resume:
+        raise ValueError(f"{out} already holds a training run: pass --resume to continue it, or choose another --out")
+    if out.is_dir():
+        remove_stale_temporaries(out)
+    return out / STATE_FILE

@@ -485,6 +485,34 @@ def row_counts(spec) -> list[int]:
     return counts
 
 
+@dataclass
+class RunData:
+    """What a training command trains on (``run_data``)."""
+
+    dir: str                  # the data spec: comma-separated directories (DIR@N caps one)
+    rows: list[int]           # rows read from each directory, pinned for the run's provenance
+    dataset: datasets.Dataset
+    eos_token_ids: list[int]
+
+
+def run_data(loaded, *, data: str | None, prompts: str | None, out, max_prompts: int | None = None,
+             max_new_tokens: int | None = None, batch_size: int | None = None, progress: bool = True) -> RunData:
+    """The data of ``train-heads`` and ``train-draft``: the gen-data directories ``data``, or where it is
+    empty, the target's (``loaded``: ``loading.load_model``'s) answers to ``prompts``, generated into
+    ``out``/data first (resumable, with gen-data's defaults where an argument is None; in one process
+    only, which ``check_training_sources`` makes sure of before the model loads). Rows are counted once
+    and pinned (gen-data may still be appending shards to a directory)."""
+    if not data:
+        data = str(Path(out) / "data")
+        d = DataGenConfig()
+        generate_distillation_data(loaded.model, loaded.tokenizer, load_prompts(prompts, max_prompts=max_prompts), data,
+                                   max_new_tokens=max_new_tokens or d.max_new_tokens, batch_size=batch_size or d.batch_size,
+                                   model_name=loaded.name, progress=progress)
+    rows = row_counts(data)
+    return RunData(dir=str(data), rows=rows, dataset=load_distillation_data(data, rows=rows),
+                   eos_token_ids=read_meta(data).get("eos_token_ids", []))
+
+
 # Settings that must agree between data directories trained on together (temperature and length may differ).
 SHARED_SETTINGS = ("format", "model", "prompt_format", "eos_token_ids")
 
@@ -652,9 +680,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_training_sources(*, data, prompts) -> None:
     """What train-heads / train-draft read, checked before they load a model: --data must be gen-data
-    output (every directory, with its meta.json), a --prompts JSONL file must exist and hold something."""
+    output (every directory, with its meta.json), a --prompts JSONL file must exist and hold something.
+    Answers to --prompts are generated in one process only: with several (``WORLD_SIZE`` > 1) each would
+    write the same directory."""
     if data:
         read_meta(data)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("with several processes, generate the data first (`selfspec gen-data`) and pass --data")
     if prompts and str(prompts).endswith(".jsonl"):
         check_input_file(prompts, "prompts")
 

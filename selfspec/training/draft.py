@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,15 +31,14 @@ from typing import Callable
 
 import torch
 
-from ..io import remove_stale_temporaries
 from ..backbone import config_fingerprint
 from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
-from .checkpoint import STATE_FILE, check_resumable
+from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
 from ..settings import default_exit_layer
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, run_hardware
-from .split import frequent_vocab, split_eval, to_sequences
+from .split import frequent_vocab, run_split
 from .tasks.draft import SAVE_DTYPES, DraftTask, make_student
 
 log = logging.getLogger(__name__)
@@ -95,21 +93,14 @@ def train_draft(
     if config.save_dtype not in SAVE_DTYPES:
         raise ValueError(f"unknown save dtype {config.save_dtype!r}: use float16 or bfloat16")
     out = Path(config.out)
-    state_path = out / STATE_FILE
-    if state_path.is_file() and not resume:
-        raise ValueError(f"{out} already holds a training run: pass --resume to continue it, or choose another --out")
-    if out.is_dir():
-        remove_stale_temporaries(out)   # a killed run's half-written checkpoint files
+    state_path = open_run(out, resume=resume)
 
     accelerator = make_accelerator(model, grad_accum=config.grad_accum)
     device = accelerator.device
     model.requires_grad_(False).eval().to(device)
     fingerprint = config_fingerprint(model.config)
 
-    seqs = to_sequences(dataset, max_len=config.max_len)
-    if not seqs:
-        raise ValueError("the data has no sequence with a response token: generate some with `selfspec gen-data`")
-    train_idx, eval_idx = split_eval(len(seqs), fraction=config.eval_fraction, seed=config.seed)
+    seqs, train_idx, eval_idx = run_split(dataset, max_len=config.max_len, fraction=config.eval_fraction, seed=config.seed)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     vocab = frequent_vocab(dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
@@ -201,27 +192,14 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    data_dir = args.data
-    if not data_dir:
-        data_dir = str(Path(config.out) / "data")
-        d = gen.DataGenConfig()
-        gen.generate_distillation_data(
-            loaded.model, loaded.tokenizer, gen.load_prompts(args.prompts, max_prompts=args.max_prompts), data_dir,
-            max_new_tokens=args.max_new_tokens or d.max_new_tokens, batch_size=args.gen_batch_size or d.batch_size,
-            model_name=loaded.name, progress=not args.no_progress,
-        )
-    rows = gen.row_counts(data_dir)  # pinned: gen-data may still be appending shards
-    dataset = gen.load_distillation_data(data_dir, rows=rows)
-    eos = gen.read_meta(data_dir).get("eos_token_ids", [])
-    result = train_draft(loaded.model, dataset, layers=args.layers, config=config, name=loaded.name,
-                         eos_token_ids=eos, data_dir=str(data_dir), data_rows=rows, resume=args.resume,
+    data = gen.run_data(loaded, data=args.data, prompts=args.prompts, out=config.out, max_prompts=args.max_prompts,
+                        max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size, progress=not args.no_progress)
+    result = train_draft(loaded.model, data.dataset, layers=args.layers, config=config, name=loaded.name,
+                         eos_token_ids=data.eos_token_ids, data_dir=data.dir, data_rows=data.rows, resume=args.resume,
                          progress=not args.no_progress)
-    if not result.interrupted and int(os.environ.get("RANK", "0")) == 0:
-        from .train import write_card_or_warn
+    from .train import report_run
 
-        write_card_or_warn(Path(config.out))
-    if int(os.environ.get("RANK", "0")) == 0:   # one summary line, from the main process
-        print(result.summary(f"train-draft L={args.layers}"), flush=True)
+    report_run(result, config.out, f"train-draft L={args.layers}")
     return result
 
 

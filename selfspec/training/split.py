@@ -70,6 +70,15 @@ def split_eval(n: int, *, fraction: float, seed: int) -> tuple[list[int], list[i
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
 
 
+def run_split(dataset, *, max_len: int, fraction: float, seed: int) -> tuple[list[Sequence], list[int], list[int]]:
+    """A training run's sequences (``to_sequences``) and its seeded (train, eval) split of them; ValueError
+    where no row has a response token."""
+    seqs = to_sequences(dataset, max_len=max_len)
+    if not seqs:
+        raise ValueError("the data has no sequence with a response token: generate some with `selfspec gen-data`")
+    return (seqs, *split_eval(len(seqs), fraction=fraction, seed=seed))
+
+
 def content_key(s: Sequence) -> tuple[bytes, int]:
     """What identifies a sequence across data directories: its tokens and where its response starts."""
     return s.ids.numpy().tobytes(), s.response_start

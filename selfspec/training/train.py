@@ -29,14 +29,13 @@ from typing import Callable
 
 import torch
 
-from ..io import remove_stale_temporaries
 from ..heads import KINDS
-from .checkpoint import STATE_FILE, check_resumable
+from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
 from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, default_exit_layer
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, resolve_mixed_precision, run_hardware
-from .split import encode_rows, frequent_vocab, split_eval, to_sequences, warm_split
+from .split import encode_rows, frequent_vocab, run_split, warm_split
 from .tasks import HEAD_TASKS
 from .warm_start import check_init_shape, load_grown, load_init
 
@@ -113,11 +112,7 @@ def train_heads(
     if config.steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
         raise ValueError("steps, batch_size and grad_accum must all be >= 1")
     out = Path(config.out)
-    state_path = out / STATE_FILE
-    if state_path.is_file() and not resume:
-        raise ValueError(f"{out} already holds a training run: pass --resume to continue it, or choose another --out")
-    if out.is_dir():
-        remove_stale_temporaries(out)   # a killed run's half-written checkpoint files
+    state_path = open_run(out, resume=resume)
 
     accelerator = make_accelerator(model, grad_accum=config.grad_accum, mixed_precision=config.mixed_precision)
     device = accelerator.device
@@ -127,10 +122,7 @@ def train_heads(
     if exit_layer is not None and not 0 < exit_layer < n_layers:
         raise ValueError(f"exit layer {exit_layer} must be between 1 and {n_layers - 1}")
 
-    seqs = to_sequences(dataset, max_len=config.max_len)
-    if not seqs:
-        raise ValueError("the data has no sequence with a response token: generate some with `selfspec gen-data`")
-    train_idx, eval_idx = split_eval(len(seqs), fraction=config.eval_fraction, seed=config.seed)
+    seqs, train_idx, eval_idx = run_split(dataset, max_len=config.max_len, fraction=config.eval_fraction, seed=config.seed)
     init = None
     if config.init:
         if config.lora:
@@ -354,14 +346,20 @@ def check_train_heads_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]
     return config, extra
 
 
-def write_card_or_warn(out: Path) -> None:
-    """The model card a hub upload needs; a run whose card cannot be written has still trained."""
-    from ..card import write_card
+def report_run(result: TrainResult, out, label: str) -> None:
+    """The end of a training command, from the main process only: the model card a hub upload needs
+    (a run whose card cannot be written has still trained: a warning says why) unless the run was
+    interrupted, then one summary line."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if not result.interrupted:
+        from ..card import write_card
 
-    try:
-        write_card(out)
-    except Exception as e:   # e.g. a data directory moved since: say so, keep the heads
-        log.warning("heads saved, but their model card (README.md) was not written: %s", e)
+        try:
+            write_card(Path(out))
+        except Exception as e:   # e.g. a data directory moved since: say so, keep the heads
+            log.warning("heads saved, but their model card (README.md) was not written: %s", e)
+    print(result.summary(label), flush=True)
 
 
 def run_train_heads(args: argparse.Namespace) -> TrainResult:
@@ -373,26 +371,11 @@ def run_train_heads(args: argparse.Namespace) -> TrainResult:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(extra["model"], dtype=args.dtype, device=args.device)
-    data_dir = extra["data"]
-    if not data_dir:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("with several processes, generate the data first (`selfspec gen-data`) and pass --data")
-        data_dir = str(Path(config.out) / "data")
-        d = gen.DataGenConfig()
-        gen.generate_distillation_data(
-            loaded.model, loaded.tokenizer, gen.load_prompts(extra["prompts"], max_prompts=extra["max_prompts"]), data_dir,
-            max_new_tokens=extra["max_new_tokens"] or d.max_new_tokens, batch_size=extra["gen_batch_size"] or d.batch_size,
-            model_name=loaded.name, progress=not args.no_progress,
-        )
-    rows = gen.row_counts(data_dir)  # pinned: gen-data may still be appending shards
-    dataset = gen.load_distillation_data(data_dir, rows=rows)
-    eos = gen.read_meta(data_dir).get("eos_token_ids", [])
-    result = train_heads(loaded.model, dataset, config=config, name=loaded.name, eos_token_ids=eos, data_dir=str(data_dir),
-                         data_rows=rows, resume=args.resume, progress=not args.no_progress)
-    if not result.interrupted and int(os.environ.get("RANK", "0")) == 0:   # one card, from the main process
-        write_card_or_warn(Path(config.out))
-    if int(os.environ.get("RANK", "0")) == 0:   # one summary line, from the main process
-        print(result.summary(f"train-heads {config.kind}"), flush=True)
+    data = gen.run_data(loaded, data=extra["data"], prompts=extra["prompts"], out=config.out, max_prompts=extra["max_prompts"],
+                        max_new_tokens=extra["max_new_tokens"], batch_size=extra["gen_batch_size"], progress=not args.no_progress)
+    result = train_heads(loaded.model, data.dataset, config=config, name=loaded.name, eos_token_ids=data.eos_token_ids,
+                         data_dir=data.dir, data_rows=data.rows, resume=args.resume, progress=not args.no_progress)
+    report_run(result, config.out, f"train-heads {config.kind}")
     return result
 
 
