@@ -137,11 +137,15 @@ def response_tokens(data: str):
         yield from r["input_ids"][r["response_start"]: r["response_start"] + r["n_response"]]
 
 
-def grown(vocab: list[int], size: int, data: str) -> list[int]:
-    """``vocab`` and after it the most frequent response tokens of ``data`` it lacks, up to ``size`` tokens."""
+def by_frequency(data: str) -> list[int]:
+    """The response tokens of ``data``, most frequent first (counted once; every grown size reads it)."""
+    return [t for t, _ in collections.Counter(response_tokens(data)).most_common()]
+
+
+def grown(vocab: list[int], size: int, ranked: list[int]) -> list[int]:
+    """``vocab`` and after it the most frequent tokens of ``ranked`` (``by_frequency``) it lacks, up to ``size``."""
     have = set(vocab)
-    extra = [t for t, _ in collections.Counter(response_tokens(data)).most_common() if t not in have]
-    return vocab + extra[: max(0, size - len(vocab))]
+    return vocab + [t for t in ranked if t not in have][: max(0, size - len(vocab))]
 
 
 def head_vocab(heads: Path) -> list[int]:
@@ -150,21 +154,20 @@ def head_vocab(heads: Path) -> list[int]:
     return load_file(heads / "model.safetensors")["draft_vocab"].tolist()
 
 
-def coverage(heads: Path, a) -> None:
-    held = list(response_tokens(a.held_data))
+def coverage(heads: Path, ranked: list[int], held: list[int], a) -> None:
     vocab = head_vocab(heads)
     print(f"{len(held)} response tokens in {a.held_data}\n\n| draft vocabulary | tokens | share of them |\n|---|---|---|")
-    for name, v in [("the head's", vocab)] + [(str(n), grown(vocab, n, a.data)) for n in a.sizes_list]:
+    for name, v in [("the head's", vocab)] + [(str(n), grown(vocab, n, ranked)) for n in a.sizes_list]:
         have = set(v)
         print(f"| {name} | {len(v)} | {sum(t in have for t in held) / max(len(held), 1):.4f} |")
 
 
-def grown_copy(heads: Path, size: int, data: str, out: Path) -> Path:
-    """A copy of ``heads`` whose draft vocabulary adds the most frequent response tokens of ``data``."""
+def grown_copy(heads: Path, size: int, ranked: list[int], out: Path) -> Path:
+    """A copy of ``heads`` whose draft vocabulary is ``grown`` to ``size``."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(heads / "model.safetensors")
-    vocab = grown(tensors["draft_vocab"].tolist(), size, data)
+    vocab = grown(tensors["draft_vocab"].tolist(), size, ranked)
     shutil.copytree(heads, out)
     tensors["draft_vocab"] = torch.tensor(vocab, dtype=torch.int64)
     save_file(tensors, out / "model.safetensors")
@@ -174,10 +177,9 @@ def grown_copy(heads: Path, size: int, data: str, out: Path) -> Path:
     return out
 
 
-def vocab(heads: Path, rows, a) -> None:
-    sizes = a.sizes_list
+def vocab(heads: Path, rows, ranked: list[int], a) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {"shipped": heads} | {str(s): grown_copy(heads, s, a.data, Path(tmp) / f"v{s}") for s in sizes}
+        dirs = {"shipped": heads} | {str(s): grown_copy(heads, s, ranked, Path(tmp) / f"v{s}") for s in a.sizes_list}
         models = {k: load(d, a.tree) for k, d in dirs.items()}
         totals = {k: [0, 0] for k in models}
         for i, row in enumerate(rows):
@@ -210,8 +212,8 @@ def main() -> None:
     ap.add_argument("--held-data", default="", help="coverage: data directories whose response tokens are counted")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    if a.n < 1 or a.max_new_tokens < 1 or a.temperature <= 0:
-        ap.exit(2, "eagle_probe: --n and --max-new-tokens must be at least 1 and --temperature above 0\n")
+    if a.n < 1 or a.max_new_tokens < 1 or a.threads < 1 or a.temperature <= 0:
+        ap.exit(2, "eagle_probe: --n, --max-new-tokens and --threads must be at least 1, --temperature above 0\n")
     if a.probe in ("vocab", "coverage") and not a.data:
         ap.exit(2, f"eagle_probe: {a.probe} needs --data, the head's training data directories\n")
     if a.probe == "coverage" and not a.held_data:
@@ -223,11 +225,15 @@ def main() -> None:
     heads = Path(a.heads)
     if not (heads / "config.json").is_file():
         ap.exit(2, f"eagle_probe: --heads {heads} holds no config.json (give a heads directory)\n")
-    if a.probe == "coverage":
-        try:
-            coverage(heads, a)
+    ranked, held = [], []
+    if a.probe in ("vocab", "coverage"):
+        try:   # a directory that is no gen-data output (or short of a DIR@N count) ends here, in one line
+            ranked = by_frequency(a.data)
+            held = list(response_tokens(a.held_data)) if a.probe == "coverage" else []
         except ValueError as e:
             ap.exit(2, f"eagle_probe: {e}\n")
+    if a.probe == "coverage":
+        coverage(heads, ranked, held, a)
         return
     if not a.prompts:
         ap.exit(2, f"eagle_probe: {a.probe} needs --prompts, a JSONL file\n")
@@ -241,7 +247,7 @@ def main() -> None:
         ap.exit(2, f"eagle_probe: --prompts {a.prompts} holds no prompts\n")
     torch.set_num_threads(a.threads)
     if a.probe == "vocab":
-        vocab(heads, rows, a)
+        vocab(heads, rows, ranked, a)
     else:
         (calibration if a.probe == "calibration" else temperature)(load(heads, a.tree), rows, a)
 

@@ -37,7 +37,7 @@ from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
 from ..settings import default_exit_layer
 from .features import extract_features, target_view
-from .loop import RunState, TrainResult, fit, make_accelerator, run_hardware
+from .loop import RunState, TrainResult, fit, make_accelerator, report_run, run_hardware
 from .split import frequent_vocab, run_split
 from .tasks.draft import SAVE_DTYPES, DraftTask, make_student
 
@@ -197,8 +197,6 @@ def run_train_draft(args: argparse.Namespace) -> TrainResult:
     result = train_draft(loaded.model, data.dataset, layers=args.layers, config=config, name=loaded.name,
                          eos_token_ids=data.eos_token_ids, data_dir=data.dir, data_rows=data.rows, resume=args.resume,
                          progress=not args.no_progress)
-    from .train import report_run
-
     report_run(result, config.out, f"train-draft L={args.layers}")
     return result
 

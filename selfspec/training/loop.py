@@ -294,3 +294,19 @@ def fit(
                           params=params, config=config, n_train=len(train_seqs), lengths=lengths, micro_loss=micro_loss,
                           evaluate_at=evaluate_at, save=save, state=state, out=out, desc=desc,
                           progress=progress, callback=callback)
+
+
+def report_run(result: TrainResult, out, label: str) -> None:
+    """The end of a training command, from the main process only: the model card a hub upload needs
+    (a run whose card cannot be written has still trained: a warning says why) unless the run was
+    interrupted, then one summary line."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if not result.interrupted:
+        from ..card import write_card
+
+        try:
+            write_card(Path(out))
+        except Exception as e:   # e.g. a data directory moved since: say so, keep the heads
+            log.warning("heads saved, but their model card (README.md) was not written: %s", e)
+    print(result.summary(label), flush=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
 from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, default_exit_layer
 from .features import extract_features, target_view
-from .loop import RunState, TrainResult, fit, make_accelerator, resolve_mixed_precision, run_hardware
+from .loop import RunState, TrainResult, fit, make_accelerator, report_run, resolve_mixed_precision, run_hardware
 from .split import encode_rows, frequent_vocab, run_split, warm_split
 from .tasks import HEAD_TASKS
 from .warm_start import check_init_shape, load_grown, load_init
@@ -344,22 +343,6 @@ def check_train_heads_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]
         if not config.exit_layer < n:
             raise ValueError(f"--exit-layer {config.exit_layer}: {extra['model']} has {n} layers, so it takes 1 to {n - 1}")
     return config, extra
-
-
-def report_run(result: TrainResult, out, label: str) -> None:
-    """The end of a training command, from the main process only: the model card a hub upload needs
-    (a run whose card cannot be written has still trained: a warning says why) unless the run was
-    interrupted, then one summary line."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    if not result.interrupted:
-        from ..card import write_card
-
-        try:
-            write_card(Path(out))
-        except Exception as e:   # e.g. a data directory moved since: say so, keep the heads
-            log.warning("heads saved, but their model card (README.md) was not written: %s", e)
-    print(result.summary(label), flush=True)
 
 
 def run_train_heads(args: argparse.Namespace) -> TrainResult:
