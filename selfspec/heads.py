@@ -60,6 +60,10 @@ class HeadsConfig:
     rms_eps: float = 1e-6
     shared_lm_head: bool = False    # eagle: the LM head is the target's own rows (draft vocabulary), frozen and not stored
     draft_vocab_size: int = 0       # 0 = the full vocabulary; else heads score only `draft_vocab` tokens
+    # eagle, variants of the EAGLE-3 layer that drafts trained elsewhere use (speculators' training defaults):
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(feature), not the feature itself
+    feature_norm: str = ""          # "concat": one RMSNorm over the aux states before fc; "per_layer": one per aux state
+    norm_output: bool = False       # a draft step passes norm(state) on, and scores it without a second norm
     lora: dict | None = None        # set when the backbone was fine-tuned with the heads (Medusa-2): output changes
     storage_dtype: str = "float32"  # how model.safetensors stores floating tensors (float16 halves a checkpoint)
     selfspec_version: str = __version__
@@ -189,7 +193,8 @@ def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
         return EagleHead(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                          num_heads=config.attn_heads, num_kv_heads=config.kv_heads, head_dim=config.head_dim,
                          num_aux=len(config.aux_layers), draft_vocab_size=config.draft_vocab_size or config.vocab_size,
-                         eps=config.rms_eps)
+                         eps=config.rms_eps, norm_before_residual=config.norm_before_residual,
+                         feature_norm=config.feature_norm, norm_output=config.norm_output)
     if config.kind == "early-exit" and config.adapter == "layer":
         if model is None:
             raise ValueError("a 'layer' exit adapter is built from the target model: pass model=")

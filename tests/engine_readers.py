@@ -44,11 +44,16 @@ class Eagle3Draft:
         w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(directory / "model.safetensors").items()}
         if cfg.get("speculators_model_type") == "eagle3":
             assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_config"]["algorithm"] == "eagle3"
-            assert cfg["norm_before_residual"] is False
+            # speculators' layer variants (its config names them; the engines' defaults are all off)
+            self.norm_before_residual = cfg.get("norm_before_residual", False)
+            self.norm_before_fc, self.fc_norm = cfg.get("norm_before_fc", False), cfg.get("fc_norm", False)
+            self.norm_output = cfg.get("norm_output", False)
             layer_cfg, prefix = cfg["transformer_layer_config"], "layers.0."
             self.capture = list(cfg["eagle_aux_hidden_state_layer_ids"])
         else:
             assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+            assert cfg.get("norm_before_residual") is False        # SGLang's layer: the residual is the raw feature
+            self.norm_before_residual = self.norm_before_fc = self.fc_norm = self.norm_output = False
             layer_cfg, prefix = cfg, "midlayer."
             self.capture = [k + 1 for k in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
             # vLLM reads the top-level ids of the same file, in its own counting: the same layers.
@@ -70,15 +75,22 @@ class Eagle3Draft:
 
     def features(self, hidden_states) -> torch.Tensor:
         """Target hidden states (transformers' ``output_hidden_states``: index i = after i layers) -> fc input."""
-        return torch.cat([hidden_states[a][0].float() for a in self.capture], -1) @ self.w["fc.weight"].T
+        parts = [hidden_states[a][0].float() for a in self.capture]
+        if self.fc_norm:                                     # one norm per captured state
+            parts = [rms_norm(x, self.w[f"fc_norm.{i}.weight"], self.eps) for i, x in enumerate(parts)]
+        x = torch.cat(parts, -1)
+        if self.norm_before_fc:                              # one norm over all of them
+            x = rms_norm(x, self.w["input_norm.weight"], self.eps)
+        return x @ self.w["fc.weight"].T
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots (n, H) hidden + the next tokens (n,) at ``positions`` -> (pre-norm states, full-vocab logits).
-        Attends causally to every slot run before (kept as this reader's cache)."""
+        """Slots (n, H) hidden + the next tokens (n,) at ``positions`` -> (the states the next step reads,
+        full-vocab logits): pre-norm states, or normed ones under ``norm_output``. Attends causally to
+        every slot run before (kept as this reader's cache)."""
         w, n = self.w, hidden.shape[0]
-        residual = hidden
-        x = torch.cat([rms_norm(self.embed[tokens], w["input_layernorm.weight"], self.eps),
-                       rms_norm(hidden, w["hidden_norm.weight"], self.eps)], -1)
+        normed = rms_norm(hidden, w["hidden_norm.weight"], self.eps)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([rms_norm(self.embed[tokens], w["input_layernorm.weight"], self.eps), normed], -1)
         q = rope((x @ w["self_attn.q_proj.weight"].T).view(n, self.nh, self.d), positions, self.theta)
         k = rope((x @ w["self_attn.k_proj.weight"].T).view(n, self.nkv, self.d), positions, self.theta)
         v = (x @ w["self_attn.v_proj.weight"].T).view(n, self.nkv, self.d)
@@ -96,10 +108,10 @@ class Eagle3Draft:
         m = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
         h = h + (torch.nn.functional.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w[
             "mlp.down_proj.weight"].T
-        draft_logits = rms_norm(h, w["norm.weight"], self.eps) @ w["lm_head.weight"].T
+        out = rms_norm(h, w["norm.weight"], self.eps)
         full = torch.full((n, self.vocab), float("-inf"))
-        full[:, self.target_ids] = draft_logits
-        return h, full
+        full[:, self.target_ids] = out @ w["lm_head.weight"].T
+        return (out if self.norm_output else h), full
 
 
 class MedusaHeads:

@@ -4,6 +4,7 @@ cannot hold is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,8 +19,9 @@ from selfspec.backbone import Backbone, config_fingerprint
 from selfspec.cli import main
 from selfspec.decode import prefill
 from selfspec.export import export_heads
-from selfspec.heads import load_heads, save_heads
+from selfspec.heads import Heads, build_heads, load_heads, save_heads
 from selfspec.model import SelfSpeculativeModel, untrained_heads
+from selfspec.models.eagle import init_from_target
 
 N_LAYERS = 8   # default aux layers 2, 4, 5: three of them, as EAGLE-3 engines need
 
@@ -41,10 +43,21 @@ def _randomised(heads, seed: int, std: float = 0.1):
     return heads
 
 
-def _eagle_heads(model, path, tmp_path, *, draft_vocab: bool):
+# Layer variants a draft trained elsewhere may use (speculators trains with the first one's by default).
+VARIANTS = {"speculators-defaults": {"norm_before_residual": True, "feature_norm": "concat", "norm_output": True},
+            "fc-norm": {"feature_norm": "per_layer"}}
+
+
+def _eagle_heads(model, path, tmp_path, *, draft_vocab: bool, variant: dict | None = None):
     vocab = torch.tensor(sorted(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))[:40]
                                 .tolist())) if draft_vocab else None
-    heads = _randomised(untrained_heads("eagle", model, str(path), draft_vocab=vocab), seed=2)
+    heads = untrained_heads("eagle", model, str(path), draft_vocab=vocab)
+    if variant:
+        config = dataclasses.replace(heads.config, **variant)
+        module = build_heads(config)
+        init_from_target(module, Backbone(model), vocab)
+        heads = Heads(config=config, module=module.eval(), draft_vocab=vocab)
+    heads = _randomised(heads, seed=2)
     save_heads(heads, tmp_path / "heads")
     return load_heads(tmp_path / "heads", expect_kind="eagle", fingerprint=config_fingerprint(model.config), model=model)
 
@@ -81,12 +94,13 @@ def _reader_eagle(directory, model, ids: torch.Tensor, next_token: int):
     return feature, committed, drafted
 
 
-@pytest.mark.parametrize("fmt", ["eagle3-sglang", "eagle3-speculators"])
+@pytest.mark.parametrize("fmt,variant", [("eagle3-sglang", None), ("eagle3-speculators", None),
+                                         *[("eagle3-speculators", v) for v in VARIANTS]])
 @pytest.mark.parametrize("draft_vocab", [True, False])
 @torch.no_grad()
-def test_eagle3_export_read_independently_gives_selfspecs_draft_logits(fmt, draft_vocab, target, tmp_path):
+def test_eagle3_export_read_independently_gives_selfspecs_draft_logits(fmt, variant, draft_vocab, target, tmp_path):
     model, path = target
-    heads = _eagle_heads(model, path, tmp_path, draft_vocab=draft_vocab)
+    heads = _eagle_heads(model, path, tmp_path, draft_vocab=draft_vocab, variant=VARIANTS.get(variant))
     out = export_heads(tmp_path / "heads", fmt, tmp_path / "out", model=str(path))
     ids = torch.tensor([3, 17, 42, 8, 61, 29, 5, 77, 12])
     ours = _selfspec_eagle(heads, model, ids, next_token=33)
@@ -100,15 +114,18 @@ def test_eagle3_export_read_independently_gives_selfspecs_draft_logits(fmt, draf
     assert "```bash" in (out / "README.md").read_text()
 
 
-@pytest.mark.parametrize("fmt", ["eagle3-sglang", "eagle3-speculators"])
+@pytest.mark.parametrize("fmt,variant", [("eagle3-sglang", None), ("eagle3-speculators", None),
+                                         ("eagle3-speculators", "speculators-defaults")])
 @torch.no_grad()
-def test_eagle3_directories_import_and_decode_exactly(fmt, target, tmp_path):
+def test_eagle3_directories_import_and_decode_exactly(fmt, variant, target, tmp_path):
     """from_pretrained(heads=an EAGLE-3 directory): same drafts as the heads it came from, exact output."""
     model, path = target
-    heads = _eagle_heads(model, path, tmp_path, draft_vocab=True)
+    heads = _eagle_heads(model, path, tmp_path, draft_vocab=True, variant=VARIANTS.get(variant))
     out = export_heads(tmp_path / "heads", fmt, tmp_path / "out", model=str(path))
     imported = load_heads(out, expect_kind="eagle", fingerprint="ignored for EAGLE-3 directories", model=model)
     assert imported.config.aux_layers == heads.config.aux_layers
+    for key in VARIANTS["speculators-defaults"]:
+        assert getattr(imported.config, key) == getattr(heads.config, key)
     assert torch.equal(imported.draft_vocab, heads.draft_vocab)
     ids = torch.tensor([[3, 17, 42, 8, 61]])
     runs = []
@@ -164,7 +181,28 @@ def test_what_a_format_cannot_hold_is_refused_in_one_line(target, tmp_path, caps
     final = untrained_heads("eagle", model, str(path), aux_layers=[2, 4, N_LAYERS])
     assert f"--aux-layers 2,4,{N_LAYERS - 3}" in export(final, "eagle3-sglang")
     assert "exactly 3" in export(untrained_heads("eagle", model, str(path), aux_layers=[2, 5]), "eagle3-speculators")
+    plain = untrained_heads("eagle", model, str(path))
+    config = dataclasses.replace(plain.config, norm_output=True)
+    variant = Heads(config=config, module=build_heads(config), draft_vocab=None)
+    err = export(variant, "eagle3-sglang")
+    assert "norm_output" in err and "eagle3-speculators" in err
     assert "holds medusa heads" in export(untrained_heads("early-exit", model, str(path)), "medusa-vllm")
+
+
+@pytest.mark.parametrize("change,words", [({"num_hidden_layers": 2}, "it has 2 decoder layers"),
+                                          ({"mlp_bias": True}, "mlp_bias"),
+                                          ({"hidden_act": "gelu"}, "'gelu'")])
+def test_eagle3_drafts_selfspec_cannot_run_are_refused_in_one_line(change, words, target, tmp_path):
+    """An EAGLE-3 directory whose layer selfspec's head cannot be: one line at load, not a silent misreading."""
+    model, path = target
+    _eagle_heads(model, path, tmp_path, draft_vocab=False)
+    out = export_heads(tmp_path / "heads", "eagle3-speculators", tmp_path / "out", model=str(path))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["transformer_layer_config"].update(change)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        load_heads(out, expect_kind="eagle", fingerprint="", model=model)
+    assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_export_heads_cli_writes_a_whole_directory(target, tmp_path, capsys):

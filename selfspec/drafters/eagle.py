@@ -491,7 +491,7 @@ class EagleDrafter(Drafter):
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
-        return self.project(self.head.norm(states))
+        return self.project(self.head.scored(states))
 
     def _level_mask(self, committed: torch.Tensor, anc: torch.Tensor, d: int) -> torch.Tensor:
         """(A, 1, k, T) additive mask for level d's run of A rows: each row's committed slots, each node's

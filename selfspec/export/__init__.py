@@ -44,7 +44,7 @@ def check_export(heads_dir, fmt: str, *, num_layers: int):
     if config.lora:
         raise ValueError(f"{heads_dir} was trained with LoRA on the backbone (Medusa-2): the engines would run the "
                          "original target, so these heads do not match it; train heads without --lora to export them")
-    why = eagle3.refusal(config, num_layers) if config.kind == "eagle" else medusa.refusal(config, fmt)
+    why = eagle3.refusal(config, num_layers, fmt) if config.kind == "eagle" else medusa.refusal(config, fmt)
     if why:
         raise ValueError(why)
     return config

@@ -24,6 +24,13 @@ layers. The engines count differently, and both conventions are written:
 
 Both engines default to (2, N/2, N-3) in vLLM's counting, selfspec's default. selfspec's extra id
 N (the final state, after the final norm) has no engine equivalent, so such heads are refused.
+
+Layer variants (``HeadsConfig.norm_before_residual``, ``feature_norm``, ``norm_output``): speculators
+writes ``norm_before_residual``, ``norm_before_fc`` (``feature_norm`` "concat", tensor
+``input_norm.weight``), ``fc_norm`` ("per_layer", ``fc_norm.{i}.weight``) and ``norm_output`` in its
+config, and turns the first, second and fourth on by default when it trains. They are imported from
+either layout and written back to the speculators layout; SGLang's EAGLE-3 layer reads none of them,
+so heads that use one are refused as ``eagle3-sglang``.
 """
 
 from __future__ import annotations
@@ -43,8 +50,19 @@ LAYER_PREFIX = {"eagle3-sglang": "midlayer.", "eagle3-speculators": "layers.0."}
 TRAIN_FLAG = "--aux-layers"      # what makes engine-compatible heads
 
 
-def refusal(config: HeadsConfig, num_layers: int) -> str | None:
-    """Why these eagle heads cannot be written as EAGLE-3 (one line naming the flag that fixes it), or None."""
+def variants(config: HeadsConfig) -> list[str]:
+    """The layer variants these heads use, under the names speculators' config gives them."""
+    return [name for name, on in (("norm_before_residual", config.norm_before_residual),
+                                  ("norm_before_fc", config.feature_norm == "concat"),
+                                  ("fc_norm", config.feature_norm == "per_layer"),
+                                  ("norm_output", config.norm_output)) if on]
+
+
+def refusal(config: HeadsConfig, num_layers: int, fmt: str) -> str | None:
+    """Why these eagle heads cannot be written as ``fmt`` (one line naming what fixes it), or None."""
+    if fmt == "eagle3-sglang" and variants(config):
+        return (f"these eagle heads use {', '.join(variants(config))}, which SGLang's EAGLE-3 layer does not read: "
+                "export them as eagle3-speculators (vLLM)")
     aux = list(config.aux_layers)
     fix = ",".join(str(a) for a in sorted({min(2, num_layers), max(1, num_layers // 2), max(1, num_layers - 3)}))
     if any(a >= num_layers for a in aux):
@@ -127,7 +145,10 @@ def config(heads: Heads, *, fmt: str, target_config, verifier: str, draft_size: 
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": draft_size,
-        "norm_before_residual": False,          # the residual is the fused feature before hidden_norm
+        "norm_before_residual": c.norm_before_residual,   # False: the residual is the fused feature before hidden_norm
+        "norm_before_fc": c.feature_norm == "concat",
+        "fc_norm": c.feature_norm == "per_layer",
+        "norm_output": c.norm_output,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": aux,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -155,6 +176,10 @@ def imported_config(raw: dict, *, where: str) -> HeadsConfig:
     target is at hand: ``base_fingerprint`` is empty and :func:`check_against_target` checks the shapes.
     ``aux_layers`` is empty where the file names none (the engines' default, filled in at load)."""
     layer = raw.get("transformer_layer_config") or raw
+    why = unsupported(raw, layer)
+    if why:
+        raise ValueError(f"{where} is an EAGLE-3 draft selfspec cannot run: {why}; selfspec runs one-layer EAGLE-3 "
+                         "drafts (SiLU MLP, no biases), as `selfspec train-heads --kind eagle` trains them")
     try:
         hidden = int(raw.get("target_hidden_size") or layer["hidden_size"])
         if int(layer["hidden_size"]) != hidden:
@@ -171,10 +196,31 @@ def imported_config(raw: dict, *, where: str) -> HeadsConfig:
             head_dim=int(layer.get("head_dim") or hidden // heads), rms_eps=float(layer.get("rms_norm_eps", 1e-6)),
             shared_lm_head=False, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size")
                                                        or layer["vocab_size"]),
+            norm_before_residual=bool(raw.get("norm_before_residual")),
+            feature_norm="concat" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "",
+            norm_output=bool(raw.get("norm_output")),
             decode=DecodeSettings(), provenance={"imported_from": where, "layout": layout_of(raw)},
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}/config.json is an EAGLE-3 config selfspec cannot read ({e}): export it again") from None
+
+
+def unsupported(raw: dict, layer: dict) -> str | None:
+    """What in an EAGLE-3 config selfspec's one-layer head cannot be, or None."""
+    try:
+        layers = int(layer.get("num_hidden_layers") or 1)
+    except (TypeError, ValueError):
+        return None          # a malformed config: imported_config says so
+    if layers != 1:
+        return f"it has {layers} decoder layers"
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            return f"its layer sets {key}"
+    if layer.get("hidden_act", "silu") != "silu":
+        return f"its MLP uses {layer['hidden_act']!r}"
+    if raw.get("norm_before_fc") and raw.get("fc_norm"):
+        return "it sets both norm_before_fc and fc_norm, which exclude each other"
+    return None
 
 
 def imported_aux_layers(raw: dict) -> list[int]:

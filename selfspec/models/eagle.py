@@ -14,6 +14,13 @@ The layer (names as SGLang and vLLM load EAGLE-3 drafts, so export is a renaming
     h = h + mlp(post_attention_layernorm(h))                          -> the slot's output state
     logits = lm_head(norm(h))                                         (..., V_draft)
 
+Drafts trained elsewhere may use variants of it, which speculators (vLLM's training library) turns
+on by default and selfspec reads when it imports them (``HeadsConfig``; selfspec's own training uses
+none): ``norm_before_residual`` (the residual is hidden_norm(feature)), ``feature_norm`` (an RMSNorm
+over the concatenated aux states before ``fc``, "concat", or one per aux state, "per_layer") and
+``norm_output`` (the output state is norm(h), which the next draft step reads and the LM head
+scores as it is).
+
 ``forward`` runs n slots against a KV cache (transformers' ``DynamicCache``, layer 0, through its
 public ``update``), with an optional additive mask, as the drafter does. ``ttt_attention`` is
 the training-time-test form: step j of an unrolled draft, where slot i attends to the
@@ -29,6 +36,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..tree import additive_mask
+
+
+FEATURE_NORMS = ("", "concat", "per_layer")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -101,8 +111,9 @@ class EagleMLP(nn.Module):
 
 class EagleLayer(nn.Module):
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float):
+                 head_dim: int, eps: float, norm_before_residual: bool = False):
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = nn.RMSNorm(hidden_size, eps=eps)
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=eps)
         self.self_attn = EagleAttention(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -115,28 +126,49 @@ class EagleLayer(nn.Module):
 
     def finish(self, feature: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual over the feature, then the MLP block: (B, n, H) output states."""
-        h = feature + attended
+        h = (self.hidden_norm(feature) if self.norm_before_residual else feature) + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class EagleHead(nn.Module):
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 num_aux: int, draft_vocab_size: int, eps: float):
+                 num_aux: int, draft_vocab_size: int, eps: float, norm_before_residual: bool = False,
+                 feature_norm: str = "", norm_output: bool = False):
         super().__init__()
+        if feature_norm not in FEATURE_NORMS:
+            raise ValueError(f"eagle feature_norm {feature_norm!r}: choose from {', '.join(map(repr, FEATURE_NORMS))}")
+        if feature_norm == "concat":
+            self.input_norm = nn.RMSNorm(num_aux * hidden_size, eps=eps)
+        elif feature_norm == "per_layer":
+            self.fc_norm = nn.ModuleList(nn.RMSNorm(hidden_size, eps=eps) for _ in range(num_aux))
+        self.feature_norm, self.norm_output = feature_norm, norm_output
         self.fc = nn.Linear(num_aux * hidden_size, hidden_size, bias=False)
         self.midlayer = EagleLayer(hidden_size=hidden_size, intermediate_size=intermediate_size, num_heads=num_heads,
-                                   num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
+                                   num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
+                                   norm_before_residual=norm_before_residual)
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """(..., A*H) the target's hidden states after the aux layers, concatenated -> (..., H) feature."""
+        if self.feature_norm == "concat":
+            aux = self.input_norm(aux)
+        elif self.feature_norm == "per_layer":
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer's result -> the output state a slot passes on (normed under ``norm_output``)."""
+        return self.norm(h) if self.norm_output else h
+
+    def scored(self, states: torch.Tensor) -> torch.Tensor:
+        """(..., H) output states -> what the LM head reads (already normed under ``norm_output``)."""
+        return states if self.norm_output else self.norm(states)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """(..., H) output states -> (..., V_draft) draft logits."""
-        return self.lm_head(self.norm(states))
+        return self.lm_head(self.scored(states))
 
     def forward(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings, cache,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,7 +188,7 @@ class EagleHead(nn.Module):
             attention_mask = additive_mask(visible, q.dtype)
         o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attention_mask,
                                            is_causal=attention_mask is None and n > 1, scale=self.scale)
-        return layer.finish(feature, attn.out(o))
+        return self.output(layer.finish(feature, attn.out(o)))
 
     def ttt_step(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings,
                  past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -194,4 +226,4 @@ class EagleHead(nn.Module):
         o = torch.matmul(probs[..., :L], v0)
         for m, vm in enumerate(shifted_v):
             o = o + probs[..., L + m: L + m + 1] * vm
-        return layer.finish(feature, attn.out(o)), (k, v)
+        return self.output(layer.finish(feature, attn.out(o))), (k, v)
