@@ -53,7 +53,9 @@ def check_generate_args(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    args.drafter = default_drafter(args.model) if args.drafter == "auto" else args.drafter
+    if args.drafter == "auto":   # sampling may have a drafter of its own, where no setting names the greedy one's
+        tuned = all(getattr(args, k) == "auto" for k in ("tree", "threshold", "gate", "lookup")) and args.heads is None
+        args.drafter = default_drafter(args.model, sampling=args.temperature > 0 and tuned)
     check_generate_args(args)
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":
@@ -98,7 +100,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default="smollm2-135m", help="alias, model directory, .gguf file or hub id")
     p.add_argument("--drafter", default="auto", choices=["auto", *DRAFTER_NAMES],
-                   help="auto: the shipped drafter measured fastest for the demo model (else the context lookup)")
+                   help="auto: the shipped drafter measured fastest for the demo model, greedy or sampling "
+                        "(else the context lookup)")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped checkpoint for the demo model)")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft-model")
     for key in SETTING_KEYS:

@@ -153,7 +153,10 @@ def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1, prefil
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
-                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False, fit_width: bool = True):
+                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False, fit_width: bool = True,
+                 sampled_drafter: "tuple[str, Heads | None] | None" = None):
+        """``sampled_drafter``: (name, heads) of another kind of drafter for sampled ``generate`` calls, with
+        its own tuned settings (``drafter="auto"`` where the model's default.json names one for sampling)."""
         if corpus is not None and drafter_name not in LOOKUP_DRAFTERS:
             raise ValueError(f"a corpus feeds the lookup of the {', '.join(LOOKUP_DRAFTERS)} drafters, not {drafter_name!r}")
         self.model = model
@@ -163,6 +166,7 @@ class SelfSpeculativeModel:
         self.backbone = Backbone(model)
         self.drafter_name = check_drafter_name(drafter_name)
         self.heads = heads
+        self._drafting_heads: dict[int, Heads] = {}   # id(heads) -> the EAGLE head in its drafting dtype
         # compile=True: every verification at static shapes on a static cache, through torch.compile (step.py);
         # a StaticStep given here is shared (models on one target then share its compiled graphs).
         self.step = compile if isinstance(compile, StaticStep) else (StaticStep(self.backbone) if compile else None)
@@ -172,7 +176,7 @@ class SelfSpeculativeModel:
             raise ValueError(f"fit_width must be True or False (got {fit_width!r})")
         self.fit_width = fit_width
         self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
-        self._step_cost: VerifyCost | None = None   # width fitting's prices for the static step (compile=True)
+        self._step_costs: dict[tuple, VerifyCost] = {}   # width fitting's prices for the static step, per capture
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
             decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
@@ -180,22 +184,33 @@ class SelfSpeculativeModel:
         # differ from a CPU's), else the CPU's (``DecodeSettings.for_device``).
         given = dict(tree=tree, threshold=threshold, gate=gate, lookup=lookup, device=self.backbone.device.type)
         self.settings = resolve_settings(drafter_name, decode, **given)   # what this drafter runs with (DrafterSettings)
-        # Sampling reads the settings tune-tree timed sampling with, where it did (``DecodeSettings.sampled``).
-        self.sampled_settings = resolve_settings(drafter_name, decode, **given, sampling=True)
-        # The EAGLE head in its drafting dtype, converted once for both drafters.
-        self._drafting_heads = heads_in_dtype(heads, draft_dtype(self.backbone.device, self.backbone.dtype)) \
-            if drafter_name == "eagle" else heads
-        self.drafter = self._make_drafter(self.settings, draft_model=draft_model, exit_layer=exit_layer)
-        self.sampled_drafter = self.drafter if self.sampled_settings == self.settings else \
-            self._make_drafter(self.sampled_settings, draft_model=draft_model, exit_layer=exit_layer)
+        # Sampling reads the settings tune-tree timed sampling with, where it did (``DecodeSettings.sampled``),
+        # for this drafter or for the other kind named for sampling.
+        self.sampled_name, sampled_heads = sampled_drafter or (self.drafter_name, heads)
+        check_drafter_name(self.sampled_name)
+        sampled_decode = decode if sampled_drafter is None else \
+            (sampled_heads.config.decode if sampled_heads is not None else None)
+        self.sampled_settings = resolve_settings(self.sampled_name, sampled_decode, **given, sampling=True)
+        self.drafter = self._make_drafter(drafter_name, heads, self.settings, draft_model=draft_model,
+                                          exit_layer=exit_layer)
+        self.sampled_drafter = self.drafter if sampled_drafter is None and self.sampled_settings == self.settings \
+            else self._make_drafter(self.sampled_name, sampled_heads, self.sampled_settings, draft_model=draft_model,
+                                    exit_layer=exit_layer)
         # Few-row products of the target's (and the drafters') layers in their fastest layout on CPU
         # (projection.py); compiled steps are left to torch.compile.
         self.linears = nullcontext() if self.step is not None else \
             few_row_linears(model, *drafting_modules(self.drafters()))
 
-    def _make_drafter(self, st: DrafterSettings, *, draft_model, exit_layer: int | None):
-        """This model's drafter with settings ``st``."""
-        name, heads, corpus, device = self.drafter_name, self._drafting_heads, self.corpus, str(self.backbone.device)
+    def _make_drafter(self, name: str, heads: Heads | None, st: DrafterSettings, *, draft_model,
+                      exit_layer: int | None):
+        """A drafter of kind ``name`` over ``heads`` with settings ``st`` (an EAGLE head in its drafting dtype,
+        converted once for the drafters that share it)."""
+        corpus, device = self.corpus, str(self.backbone.device)
+        if name == "eagle":
+            key = id(heads)
+            if key not in self._drafting_heads:
+                self._drafting_heads[key] = heads_in_dtype(heads, draft_dtype(self.backbone.device, self.backbone.dtype))
+            heads = self._drafting_heads[key]
         if name == "none":
             return NoDrafter(self.backbone.device)
         if name == "lookup":
@@ -234,7 +249,8 @@ class SelfSpeculativeModel:
         """Load a target model and attach a drafter.
 
         drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
-        default.json``), else the context lookup. heads: a heads directory (from ``selfspec train-heads``) for
+        default.json``; where it names another for sampling, and no tree, threshold, gate, lookup, heads or
+        exit layer is given, sampled ``generate`` calls decode with that one), else the context lookup. heads: a heads directory (from ``selfspec train-heads``) for
         ``medusa`` / ``early-exit`` / ``eagle``; None takes the shipped heads of the demo model, and for any
         other model gives untrained heads (output still exact, acceptance low) with a warning. draft_model: a model name/path
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
@@ -259,8 +275,12 @@ class SelfSpeculativeModel:
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
+        sampled = None   # another kind of drafter for sampled generate calls (drafter="auto", where one is named)
         if drafter == "auto":
             drafter = default_drafter(name_or_path)
+            tuned = all(v in AUTO for v in (tree, threshold, gate, lookup)) and heads is None and exit_layer is None
+            sampled = default_drafter(name_or_path, sampling=True) if tuned else drafter
+            sampled = None if sampled == drafter or shipped_heads(name_or_path, sampled) is None else sampled
         check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         if drafter not in HEADS_DRAFTERS + ("draft-model",) and (heads is not None or draft_model is not None):
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
@@ -307,9 +327,13 @@ class SelfSpeculativeModel:
             raise ValueError(f"the corpus holds answers of {corpus.config.base_model!r}, not of this model: "
                              "build one with `selfspec build-corpus --model MODEL --data DIR`")
         corpus_obj = corpus if corpus is None or isinstance(corpus, Corpus) else load_corpus(corpus, fingerprint=fp)
+        if sampled is not None:
+            p = model.get_output_embeddings().weight
+            sampled = (sampled, load_heads(shipped_heads(name_or_path, sampled), expect_kind=sampled, fingerprint=fp,
+                                           device=p.device, dtype=p.dtype, model=model))
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
-                   corpus=corpus_obj, compile=compile, fit_width=fit_width)
+                   corpus=corpus_obj, compile=compile, fit_width=fit_width, sampled_drafter=sampled)
 
     @staticmethod
     def _corpus_dir(corpus, drafter: str, name_or_path) -> "Path | Corpus | None":
@@ -401,14 +425,15 @@ class SelfSpeculativeModel:
         on_tokens = (lambda _row, toks: streamer.put(torch.tensor(toks))) if streamer is not None else None
         if self.step is not None:   # the static cache's size now, so that the cost prior times the shapes decoding runs
             self.step.reserve(longest + int(max_new))
-        cost = self._cost(len(prompts))
+        drafter = self.drafter_for(sampling)
+        cost = self._cost(len(prompts), drafter)
         if cost is not None and len(prompts) not in self._tuned_batches:
             # Time the product layouts and the pass's cost prior now, not inside the steps whose times the
             # fitting learns from (a step that timed a layout would look slow, and its width never be tried again).
             # A later call's longer prefill times its own row counts when it runs, outside the steps.
             self.tune_layouts(len(prompts), prefill_rows=len(prompts) * longest)
         with self.linears:
-            new, stats = decode_rows(self.backbone, self.drafter_for(sampling), [p.to(dev) for p in prompts], params=params,
+            new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
                                      on_tokens=on_tokens, step=self.step, cost=cost)
         if streamer is not None:
@@ -429,20 +454,22 @@ class SelfSpeculativeModel:
         for drafter in self.drafters():
             tune_layouts(self.backbone, drafter, self.linears, batch=batch, prefill_rows=prefill_rows)
         self._tuned_batches.update(range(1, batch + 1) if self.step is None else (batch,))
-        cost = self._cost(batch)
+        costs = {id(c): c for c in (self._cost(batch, d) for d in self.drafters()) if c is not None}
         with self.linears:   # a static step always runs all ``batch`` rows
-            for rows in (() if cost is None else (batch,) if self.step is not None else range(1, batch + 1)):
-                cost.table(rows, self.max_nodes)
+            for cost in costs.values():
+                for rows in (batch,) if self.step is not None else range(1, batch + 1):
+                    cost.table(rows, self.max_nodes)
         timings.flush()
 
-    def _cost(self, rows: int) -> VerifyCost | None:
-        """What prices a batch's verification passes for width fitting; None where it does not apply."""
+    def _cost(self, rows: int, drafter) -> VerifyCost | None:
+        """What prices ``drafter``'s verification passes of a batch for width fitting; None where it does not apply."""
         if not self.fit_width or rows < 1 or self.max_nodes < 2:
             return None
-        if self.step is not None:   # priced by bucket, through the step's own (compiled) passes
-            if self._step_cost is None:
-                self._step_cost = VerifyCost(self.backbone, step=self.step, capture=self.drafter.capture_layers)
-            return self._step_cost
+        if self.step is not None:   # priced by bucket, through the step's own (compiled) passes with its capture
+            capture = tuple(drafter.capture_layers)
+            if capture not in self._step_costs:
+                self._step_costs[capture] = VerifyCost(self.backbone, step=self.step, capture=capture)
+            return self._step_costs[capture]
         return verify_cost(self.backbone)
 
     @property
@@ -451,4 +478,5 @@ class SelfSpeculativeModel:
         return max(d.max_nodes for d in self.drafters())
 
     def __repr__(self) -> str:
-        return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r})"
+        sampled = "" if self.sampled_name == self.drafter_name else f", sampled_drafter={self.sampled_name!r}"
+        return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r}{sampled})"

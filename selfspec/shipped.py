@@ -46,10 +46,12 @@ def shipped_corpus(model: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def default_drafter(model: str) -> str:
-    """The drafter ``drafter="auto"`` means for ``model``: the shipped one measured fastest, else the
-    context lookup (it needs no training, and costs nothing when the text does not repeat)."""
+def default_drafter(model: str, *, sampling: bool = False) -> str:
+    """The drafter ``drafter="auto"`` means for ``model``: the shipped one measured fastest (greedy, or
+    when ``sampling``, where default.json names another for that), else the context lookup (it needs
+    no training, and costs nothing when the text does not repeat)."""
     path = CHECKPOINTS / str(model) / "default.json"
     if path.is_file():
-        return json.loads(path.read_text())["drafter"]
+        default = json.loads(path.read_text())
+        return default.get("sampled", default["drafter"]) if sampling else default["drafter"]
     return "lookup"

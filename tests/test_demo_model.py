@@ -129,6 +129,24 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
         assert sm.heads is not None and sm.heads.config.provenance.get("steps", 0) > 0
     ids, ref = references[0]
     assert torch.equal(sm.generate(ids, max_new_tokens=N_NEW), ref)
+    # Sampling decodes with the drafter default.json names for it, with that drafter's shipped heads and the
+    # settings tune-tree picked for sampling; a setting given by hand keeps one drafter for both.
+    kind = default_drafter("smollm2-135m", sampling=True)
+    sampled = sm.drafter_for(True)
+    assert sampled.name == kind and sm.sampled_name == kind
+    if kind != sm.drafter_name:
+        from selfspec.heads import read_heads_config
+        from selfspec.settings import resolve_settings
+        from selfspec.shipped import shipped_heads
+
+        shipped = read_heads_config(shipped_heads("smollm2-135m", kind))
+        assert sm.sampled_settings == resolve_settings(kind, shipped.decode, device=demo.model.device.type, sampling=True)
+        sm.generate(ids, max_new_tokens=N_NEW, do_sample=True, temperature=0.7,
+                    generator=torch.Generator(device=demo.model.device).manual_seed(0))
+        assert sm.last_stats.new_tokens > 0 and sm.last_stats.drafted > 0     # drafted, by that drafter
+        pinned = SelfSpeculativeModel.from_pretrained("smollm2-135m", lookup=0, device=demo.model.device,
+                                                      dtype=torch.float32)
+        assert pinned.drafter_for(True) is pinned.drafter and pinned.sampled_name == pinned.drafter_name
 
 
 def test_demo_loading_is_cached_and_fast(demo):
