@@ -250,9 +250,10 @@ class SelfSpeculativeModel:
 
         drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
         default.json``; where it names another for sampling, and no tree, threshold, gate, lookup, heads or
-        exit layer is given, sampled ``generate`` calls decode with that one), else the context lookup. heads: a heads directory (from ``selfspec train-heads``) for
-        ``medusa`` / ``early-exit`` / ``eagle``; None takes the shipped heads of the demo model, and for any
-        other model gives untrained heads (output still exact, acceptance low) with a warning. draft_model: a model name/path
+        exit layer is given, sampled ``generate`` calls decode with that one), else the context lookup.
+        heads: a heads directory (from ``selfspec train-heads``) for ``medusa`` / ``early-exit`` / ``eagle``; None
+        takes the shipped heads of the demo model, and for any other model gives untrained heads (output still
+        exact, acceptance low) with a warning. draft_model: a model name/path
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
         "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit / eagle / draft-model; each step
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
@@ -280,7 +281,8 @@ class SelfSpeculativeModel:
             drafter = default_drafter(name_or_path)
             tuned = all(v in AUTO for v in (tree, threshold, gate, lookup)) and heads is None and exit_layer is None
             sampled = default_drafter(name_or_path, sampling=True) if tuned else drafter
-            sampled = None if sampled == drafter or shipped_heads(name_or_path, sampled) is None else sampled
+            unshipped = sampled in HEADS_DRAFTERS and shipped_heads(name_or_path, sampled) is None
+            sampled = None if sampled == drafter or unshipped else sampled
         check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         if drafter not in HEADS_DRAFTERS + ("draft-model",) and (heads is not None or draft_model is not None):
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
@@ -330,7 +332,8 @@ class SelfSpeculativeModel:
         if sampled is not None:
             p = model.get_output_embeddings().weight
             sampled = (sampled, load_heads(shipped_heads(name_or_path, sampled), expect_kind=sampled, fingerprint=fp,
-                                           device=p.device, dtype=p.dtype, model=model))
+                                           device=p.device, dtype=p.dtype, model=model)
+                       if sampled in HEADS_DRAFTERS else None)
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
                    corpus=corpus_obj, compile=compile, fit_width=fit_width, sampled_drafter=sampled)
