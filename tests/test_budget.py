@@ -286,7 +286,7 @@ def test_generate_fits_batches_with_costs_timed_on_this_machine(one_thread):
         out = sm.generate(list(prompts), max_new_tokens=N_NEW, pad_token_id=0)
         width = out.shape[1] - N_NEW
         assert [row[width:].tolist() for row in out] == ref
-        assert (sm._cost(len(prompts)) is not None) == fit
+        assert (sm._cost(len(prompts), sm.drafter) is not None) == fit
     observed = verify_cost(sm.backbone).observed
     assert max(rows for rows, _ in observed) == len(prompts)   # the fitted run's steps taught the table
 
