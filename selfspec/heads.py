@@ -374,9 +374,15 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
 
         init_from_target(module, Backbone(model), draft_vocab)
     missing = set(module.state_dict()) - set(tensors) - shared
-    if missing or set(tensors) - set(module.state_dict()):
+    odd = sorted(missing | (set(tensors) - set(module.state_dict())))
+    if odd and imported:   # e.g. a Qwen3-style layer's q_norm / k_norm: another layer than selfspec's head
+        raise ValueError(f"{directory} is an EAGLE-3 draft selfspec cannot run: its tensors do not fit a one-layer "
+                         f"Llama-style EAGLE-3 head (missing or unexpected: {', '.join(odd[:4])}"
+                         f"{', ...' if len(odd) > 4 else ''}); pass such a draft, or train one with "
+                         "`selfspec train-heads --kind eagle`")
+    if odd:
         raise ValueError(f"{directory}/model.safetensors does not match its config.json (missing or unexpected tensors: "
-                         f"{', '.join(sorted(missing | (set(tensors) - set(module.state_dict()))))}): retrain or re-export the heads")
+                         f"{', '.join(odd)}): retrain or re-export the heads")
     module.load_state_dict(tensors, strict=False)  # copies into the module's own (float32) parameters
     module.to(device=device, dtype=dtype).eval()
     if draft_vocab is not None:

@@ -205,6 +205,23 @@ def test_eagle3_drafts_selfspec_cannot_run_are_refused_in_one_line(change, words
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_eagle3_draft_with_another_layers_tensors_is_refused_in_one_line(target, tmp_path):
+    """A draft whose layer has tensors selfspec's head lacks (a Qwen3-style layer's q/k norms): one line that
+    says it is another kind of layer, not a request to re-export."""
+    from safetensors.torch import load_file, save_file
+
+    model, path = target
+    _eagle_heads(model, path, tmp_path, draft_vocab=False)
+    out = export_heads(tmp_path / "heads", "eagle3-speculators", tmp_path / "out", model=str(path))
+    tensors = load_file(out / "model.safetensors")
+    tensors["layers.0.self_attn.q_norm.weight"] = torch.ones(8)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        load_heads(out, expect_kind="eagle", fingerprint="", model=model)
+    msg = str(e.value)
+    assert "cannot run" in msg and "q_norm" in msg and "re-export" not in msg and "\n" not in msg
+
+
 def test_export_heads_cli_writes_a_whole_directory(target, tmp_path, capsys):
     model, path = target
     save_heads(untrained_heads("eagle", model, str(path)), tmp_path / "h")
