@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 LOGIT_TOL = 2e-3        # float32 on both sides; different op orders round differently
 
 
-def speculators_draft(directory: Path, hidden: list[torch.Tensor], ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """speculators' two teacher-forced steps over one sequence: per step (T-1, V_draft) logits, and d2t."""
+def speculators_model(directory: Path):
+    """speculators' own ``Eagle3DraftModel`` for an EAGLE-3 directory, in float32 on CPU."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     config = Eagle3SpeculatorConfig.from_pretrained(directory)
@@ -49,6 +49,11 @@ def speculators_draft(directory: Path, hidden: list[torch.Tensor], ids: torch.Te
     # The checkpoint has no embedding: the engines take the verifier's. speculators loads it only where
     # the missing weight was initialised to NaN, which transformers newer than its pin no longer does.
     model._load_verifier_weights(overwrite_embed_tokens=True)
+    return model
+
+
+def speculators_draft(model, hidden: tuple[torch.Tensor, ...], ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """speculators' two teacher-forced steps over one sequence: per step (1, T-1, V_draft) logits, and d2t."""
     layers = model.config.eagle_aux_hidden_state_layer_ids
     features = torch.cat([hidden[a] for a in layers], -1)          # HF index a: after a decoder layers
     seen: list[torch.Tensor] = []
@@ -90,13 +95,14 @@ def to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     return draft_ids + d2t[draft_ids]
 
 
-def compare(name: str, directory: Path, heads, backbone, model, sequences: list[torch.Tensor]) -> bool:
+def compare(name: str, directory: Path, heads, backbone, sequences: list[tuple[torch.Tensor, tuple]]) -> bool:
+    """``sequences``: (token ids, the target's hidden states over them) per prompt."""
     ours_vocab = heads.draft_vocab
+    theirs_model = speculators_model(directory)
     worst = [0.0, 0.0]
     agree, total = [0, 0], [0, 0]
-    for ids in sequences:
-        hidden = model(ids[None], output_hidden_states=True).hidden_states
-        theirs, d2t = speculators_draft(directory, hidden, ids)
+    for ids, hidden in sequences:
+        theirs, d2t = speculators_draft(theirs_model, hidden, ids)
         committed, _ = selfspec_draft(heads, backbone, ids)
         worst[0] = max(worst[0], (theirs[0][0] - committed).abs().max().item())
         agree[0] += int((to_target(theirs[0][0].argmax(-1), d2t) == ours_vocab[committed.argmax(-1)]).sum())
@@ -153,7 +159,7 @@ def main() -> int:
         ids = torch.tensor(prompt_ids(loaded.tokenizer, p.text, chat=True))
         out = model.generate(ids[None], attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long),
                              max_new_tokens=a.new_tokens, do_sample=False)
-        sequences.append(out[0])
+        sequences.append((out[0], model(out, output_hidden_states=True).hidden_states))
     print(f"speculators {version('speculators')}, heads {a.heads}, {len(sequences)} prompts of dev.jsonl with "
           f"{a.new_tokens} greedy answer tokens each\n")
     print("| export | step 1: largest logit difference | argmax agrees | step 2: largest logit difference "
@@ -161,15 +167,13 @@ def main() -> int:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         spec = export_heads(a.heads, "eagle3-speculators", Path(tmp) / "speculators", model=str(source))
-        ok &= compare("eagle3-speculators, loaded as it is", spec, heads, backbone, model, sequences)
+        ok &= compare("eagle3-speculators, loaded as it is", spec, heads, backbone, sequences)
         sglang = export_heads(a.heads, "eagle3-sglang", Path(tmp) / "sglang", model=str(source))
         Eagle3Converter().convert(sglang, Path(tmp) / "converted", base_model=str(source), validate=False)
-        ok &= compare("eagle3-sglang, through speculators' converter", Path(tmp) / "converted", heads, backbone, model,
-                      sequences)
+        ok &= compare("eagle3-sglang, through speculators' converter", Path(tmp) / "converted", heads, backbone, sequences)
         trained = speculators_trained(Path(tmp) / "trained", source, heads, model)
         imported = load_heads(trained, expect_kind="eagle", fingerprint="", model=model, dtype=torch.float32)
-        ok &= compare("a draft speculators made (its training defaults), imported", trained, imported, backbone, model,
-                      sequences)
+        ok &= compare("a draft speculators made (its training defaults), imported", trained, imported, backbone, sequences)
     return 0 if ok else 1
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import __version__
 from .io import prompt_ids
-from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
+from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_draft
 from .settings import CORPUS_HELP, RETIME_HELP
 from .training.cli_args import at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling
 
@@ -53,9 +53,10 @@ def check_generate_args(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    if args.drafter == "auto":   # sampling may have a drafter of its own, where no setting names the greedy one's
-        tuned = all(getattr(args, k) == "auto" for k in ("tree", "threshold", "gate", "lookup")) and args.heads is None
-        args.drafter = default_drafter(args.model, sampling=args.temperature > 0 and tuned)
+    if args.drafter == "auto":   # sampling may have a drafter of its own (shipped.auto_sampled_drafter)
+        given = (args.tree, args.threshold, args.gate, args.lookup, args.heads)
+        args.drafter = (args.temperature > 0 and auto_sampled_drafter(args.model, given=given)) or \
+            default_drafter(args.model)
     check_generate_args(args)
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":

@@ -34,7 +34,8 @@ from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .projection import FewRowLinears, few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
-from .shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter, shipped_corpus, shipped_draft, shipped_heads
+from .shipped import (HEADS_DRAFTERS, LOOKUP_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_corpus,
+                      shipped_draft, shipped_heads)
 from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
                        DrafterSettings, check_settings, default_exit_layer, resolve_settings)
 from .tree import build_tree, parse_tree
@@ -276,13 +277,10 @@ class SelfSpeculativeModel:
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
-        sampled = None   # another kind of drafter for sampled generate calls (drafter="auto", where one is named)
+        sampled_kind = None   # another kind of drafter for sampled generate calls (drafter="auto", where one is named)
         if drafter == "auto":
             drafter = default_drafter(name_or_path)
-            tuned = all(v in AUTO for v in (tree, threshold, gate, lookup)) and heads is None and exit_layer is None
-            sampled = default_drafter(name_or_path, sampling=True) if tuned else drafter
-            unshipped = sampled in HEADS_DRAFTERS and shipped_heads(name_or_path, sampled) is None
-            sampled = None if sampled == drafter or unshipped else sampled
+            sampled_kind = auto_sampled_drafter(name_or_path, given=(tree, threshold, gate, lookup, heads, exit_layer))
         check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         if drafter not in HEADS_DRAFTERS + ("draft-model",) and (heads is not None or draft_model is not None):
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
@@ -329,11 +327,12 @@ class SelfSpeculativeModel:
             raise ValueError(f"the corpus holds answers of {corpus.config.base_model!r}, not of this model: "
                              "build one with `selfspec build-corpus --model MODEL --data DIR`")
         corpus_obj = corpus if corpus is None or isinstance(corpus, Corpus) else load_corpus(corpus, fingerprint=fp)
-        if sampled is not None:
+        sampled = None
+        if sampled_kind is not None:
             p = model.get_output_embeddings().weight
-            sampled = (sampled, load_heads(shipped_heads(name_or_path, sampled), expect_kind=sampled, fingerprint=fp,
-                                           device=p.device, dtype=p.dtype, model=model)
-                       if sampled in HEADS_DRAFTERS else None)
+            sampled = (sampled_kind, load_heads(shipped_heads(name_or_path, sampled_kind), expect_kind=sampled_kind,
+                                                fingerprint=fp, device=p.device, dtype=p.dtype, model=model)
+                       if sampled_kind in HEADS_DRAFTERS else None)
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
                    corpus=corpus_obj, compile=compile, fit_width=fit_width, sampled_drafter=sampled)

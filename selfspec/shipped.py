@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .settings import AUTO
+
 
 
 def _checkpoints_dir() -> Path:
@@ -55,3 +57,16 @@ def default_drafter(model: str, *, sampling: bool = False) -> str:
         default = json.loads(path.read_text())
         return default.get("sampled", default["drafter"]) if sampling else default["drafter"]
     return "lookup"
+
+
+def auto_sampled_drafter(model: str, *, given: tuple = ()) -> str | None:
+    """The drafter ``drafter="auto"`` samples with for ``model`` where it is not the greedy one and what it
+    needs is shipped, else None (the greedy one samples too). ``given``: the tree, threshold, gate, lookup,
+    heads (and exit layer) the caller passed, "auto" or None where not: any one given by hand belongs to
+    the greedy drafter, which then serves both."""
+    greedy, sampled = default_drafter(model), default_drafter(model, sampling=True)
+    if sampled == greedy or any(v not in AUTO for v in given):
+        return None
+    if sampled in HEADS_DRAFTERS and shipped_heads(model, sampled) is None:
+        return None
+    return sampled
