@@ -263,12 +263,41 @@ def test_methods_all_leaves_out_the_draft_model_methods_when_there_is_no_draft(c
 
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
-    names = check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl"]))
-    assert names == [n for n in ALL_METHODS if n not in DRAFT_METHODS]
+    names, auto = check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl"]))
+    assert names == [n for n in ALL_METHODS if n not in DRAFT_METHODS] and auto is None
     assert "need --draft-model" in capsys.readouterr().err
     with pytest.raises(ValueError, match="need --draft-model"):
         check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl",
                                             "--methods", "hf-generate,hf-assisted"]))
+
+
+def test_selfspec_auto_runs_as_the_default_drafters_method(capsys, tmp_path):
+    """selfspec-auto is what from_pretrained(model) decodes with at the run's temperature: the drafter
+    default.json names (greedy, or for sampling), the lookup where a model has none; run once."""
+    import argparse
+
+    from selfspec.bench import add_bench_args
+    from selfspec.bench.__init__ import check_bench_args
+    from selfspec.bench.methods import SELFSPEC_METHODS, resolve_auto
+    from selfspec.shipped import default_drafter
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    for temperature in ("0", "0.7"):
+        names, auto = check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl",
+                                                          "--methods", "selfspec-ar,selfspec-auto",
+                                                          "--temperature", temperature]))
+        drafter = default_drafter("smollm2-135m", sampling=temperature != "0")
+        assert names == ["hf-generate", "selfspec-ar", auto] and SELFSPEC_METHODS[auto][::2] == (drafter, {})
+        assert f"selfspec-auto runs as {auto}" in capsys.readouterr().err
+    assert resolve_auto(["hf-generate", "selfspec-auto"], model=str(tmp_path), temperature=0) == (
+        ["hf-generate", "selfspec-lookup"], "selfspec-lookup")
+    assert resolve_auto(["hf-generate", "selfspec-lookup", "selfspec-auto"], model=str(tmp_path),
+                        temperature=0.7)[0] == ["hf-generate", "selfspec-lookup"]     # once
+    assert resolve_auto(["hf-generate", "selfspec-ar"], model="smollm2-135m", temperature=0) == (
+        ["hf-generate", "selfspec-ar"], None)
+    with pytest.raises(ValueError, match="takes no @DIR"):
+        parse_methods("selfspec-auto@heads")
 
 
 def test_bench_threads_default_to_the_share_omp_num_threads_gives(monkeypatch):

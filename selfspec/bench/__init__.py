@@ -20,8 +20,8 @@ from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, R
                         check_settings)
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
-from .harness import ALIASES, ALL_METHODS, DRAFT_METHODS, load_prompts, run_bench
-from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, split_variant
+from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, DRAFT_METHODS, load_prompts, run_bench
+from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, resolve_auto, split_variant
 from .report import decoding_mode, markdown, write_report
 
 def add_bench_args(p) -> None:
@@ -32,6 +32,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--methods", default="all",
                    help=f"comma list from: {', '.join(ALL_METHODS)} ({', '.join(f'{a} = {m}' for a, m in ALIASES.items())}); "
+                        f"{AUTO_METHOD}: the method of the drafter drafter=\"auto\" picks for --model at --temperature; "
                         "all (the default) leaves out those that need --draft-model when none is given; "
                         "a method with heads takes other heads as METHOD@DIR (e.g. selfspec-medusa@out/heads "
                         "beside selfspec-medusa: two trainings in one run), and one whose lookup reads a corpus "
@@ -61,8 +62,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout")
 
 
-def check_bench_args(args) -> list[str]:
-    """Every flag checked before any model loads; returns the methods to run."""
+def check_bench_args(args) -> tuple[list[str], str | None]:
+    """Every flag checked before any model loads; returns the methods to run, and the one selfspec-auto
+    stands for (None where it was not asked for)."""
     at_least(args.limit, 1, "limit")
     at_least(args.sample, 1, "sample")
     at_least(args.max_new_tokens, 1, "max_new_tokens")
@@ -71,7 +73,7 @@ def check_bench_args(args) -> list[str]:
     check_sampling(temperature=args.temperature)
     if args.out:
         check_output_dir(args.out, force=args.force)
-    names = parse_methods(args.methods)
+    names, auto = resolve_auto(parse_methods(args.methods), model=args.model, temperature=args.temperature)
     if args.methods == "all" and not args.draft_model and shipped_draft(args.model) is None:
         # "all" means what can run: the methods that need a second model are left out, and said so.
         left_out = [n for n in names if n in DRAFT_METHODS]
@@ -79,7 +81,10 @@ def check_bench_args(args) -> list[str]:
         print(f"selfspec bench: {', '.join(left_out)} left out: they need --draft-model PATH", file=sys.stderr)
     _check_selfspec_flags(args, names)
     check_corpus_arg(args.corpus)
-    return names
+    if auto is not None:
+        print(f"selfspec bench: {AUTO_METHOD} runs as {auto}, the drafter \"auto\" picks for {args.model} "
+              f"{'when sampling' if args.temperature > 0 else 'greedy'}", file=sys.stderr)
+    return names, auto
 
 
 def _corpus_dir(args):
@@ -134,7 +139,7 @@ def default_threads() -> int:
 
 
 def run_bench_cli(args) -> int:
-    names = check_bench_args(args)
+    names, auto = check_bench_args(args)
     prompts = load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
@@ -165,7 +170,7 @@ def run_bench_cli(args) -> int:
             "sample": args.sample,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "batch_size": args.batch_size,
             "compile": args.compile, "decoding": decoding_mode(args.temperature), "chat_template": chat,
-            "methods": names, "heads": notes, "seed": args.seed,
+            "methods": names, "auto": auto, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),
             "packed_products": p.device.type == "cpu" and packing_works(p.dtype),
         },

@@ -32,6 +32,9 @@ from ..decode import DecodeStats
 BASELINE = "hf-generate"
 # Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.
 ALIASES = {"hf-greedy": BASELINE}
+# What ``drafter="auto"`` picks for the model at the run's temperature: named on the command line, run as
+# that drafter's own method (``methods.resolve_auto``), so a report never holds the same decoding twice.
+AUTO_METHOD = "selfspec-auto"
 ALL_METHODS = (BASELINE, "hf-static", "hf-assisted", "hf-assisted-bf16", "hf-early-exit", "hf-prompt-lookup",
                "selfspec-ar", "selfspec-lookup", "selfspec-lookup-context", "selfspec-early-exit", "selfspec-medusa",
                "selfspec-medusa-heads", "selfspec-medusa-context", "selfspec-eagle", "selfspec-eagle-heads",

@@ -15,9 +15,9 @@ from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
 from ..settings import default_exit_layer
 from ..corpus import Corpus, is_corpus_dir, load_corpus, read_corpus_config
-from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS
+from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter
 from ..step import StaticStep
-from .harness import ALIASES, ALL_METHODS, BASELINE, DRAFT_METHODS, Method
+from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, BASELINE, DRAFT_METHODS, Method
 
 # The name generate() takes a cache under: transformers 5.24 renamed past_key_values to cache (the old
 # name warns, and goes in 6.0); earlier 5.x releases know only past_key_values.
@@ -49,15 +49,18 @@ def parse_methods(spec: str | None) -> list[str]:
     A selfspec method with heads may name other heads after an "@" (``selfspec-medusa@DIR``); one whose
     lookup reads a corpus may name another corpus there (``selfspec-lookup@CORPUS_DIR``)."""
     names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if split_variant(n)[0] not in ALL_METHODS and n not in ALIASES]
+    unknown = [n for n in names if split_variant(n)[0] not in (*ALL_METHODS, AUTO_METHOD) and n not in ALIASES]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}")
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}, {AUTO_METHOD}")
     with_heads = [m for m, v in SELFSPEC_METHODS.items() if v[0] in HEADS_DRAFTERS]
     with_corpus = [m for m, v in SELFSPEC_METHODS.items() if reads_corpus(v[0], v[2])]
     for n in names:
         base, path = split_variant(n)
         if path is None:
             continue
+        if base == AUTO_METHOD:
+            raise ValueError(f"{n}: {AUTO_METHOD} takes no @DIR; name a drafter's own method to run other heads "
+                             f"(e.g. selfspec-eagle@{path})")
         if not path:
             raise ValueError(f"{n}: name a heads or corpus directory after the @ (e.g. {base}@out/heads)")
         if is_corpus_dir(path):
@@ -102,6 +105,17 @@ SELFSPEC_METHODS = {
     "selfspec-eagle-whole": ("eagle", "eagle", {"fit_width": False}),
     "selfspec-draft-model": ("draft-model", "draft", {}),
 }
+
+
+def resolve_auto(names: list[str], *, model: str, temperature: float) -> tuple[list[str], str | None]:
+    """``selfspec-auto`` in ``names`` -> the method of the drafter ``drafter="auto"`` picks for ``model`` when
+    decoding at ``temperature`` (``shipped.default_drafter``; its --PREFIX flags apply), once, in its place.
+    Returns (names, that method or None where auto was not asked for)."""
+    if AUTO_METHOD not in names:
+        return names, None
+    drafter = default_drafter(model, sampling=temperature > 0)
+    method = next(m for m, (d, _, pinned) in SELFSPEC_METHODS.items() if d == drafter and not pinned)
+    return list(dict.fromkeys(method if n == AUTO_METHOD else n for n in names)), method
 
 
 def reads_corpus(drafter: str, pinned: dict) -> bool:
