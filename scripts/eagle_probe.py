@@ -2,6 +2,7 @@
 
     python scripts/eagle_probe.py calibration --prompts P.jsonl [--heads DIR] [--n 30] [--tree dynamic-6-4-24]
     python scripts/eagle_probe.py temperature --prompts P.jsonl [--heads DIR] [--n 30] [--temperature 0.7]
+    python scripts/eagle_probe.py candidates --prompts P.jsonl [--heads DIR] [--n 30] [--temperature 0.7]
     python scripts/eagle_probe.py vocab --prompts P.jsonl --sizes 12288,16384 --data DIRS [--heads DIR] [--n 30]
     python scripts/eagle_probe.py coverage --data DIRS --held-data DIRS [--sizes 12288,16384] [--heads DIR]
 
@@ -16,6 +17,11 @@ verification of it (a subclass of the drafter records both; the decode loop is t
 * ``temperature`` (sampled): would the head's distribution, sharpened or flattened by a factor c
   (q^(1/c), renormalised over the draft vocabulary), have been accepted more often? Prints the mean
   first-child acceptance at the root, sum_x min(p(x), q_c(x)), for each c (c = 1: what decoding uses).
+* ``candidates`` (sampled): children drawn from the head's q (what decoding does) against the head's top k
+  tokens taken as they are, each verified as a point mass (accept x with p(x), else drop x from p:
+  exact too, and it would free the tree to keep the best nodes of all levels, as greedy does). Prints,
+  at the root, the chance that one of the first k children is accepted, k = 1..4: for draws, averaged
+  over ``SIMULATIONS`` runs of the verifier's own rule per step; for the top k, the target's mass on them.
 * ``vocab``: the head's LM head is the target's own rows for its draft vocabulary, so the vocabulary
   can grow without retraining. Copies of the head whose vocabulary adds the most frequent response
   tokens of ``--data`` (the head's training data) up to each size decode the same prompts; prints each
@@ -129,6 +135,52 @@ def temperature(m, rows, a) -> None:
         print(f"| {c} | {sums[c] / max(steps, 1):.4f} |")
 
 
+SIMULATIONS = 64   # candidates: verifier runs per step for drawn children
+WIDTH = 4
+
+
+def drawn_acceptance(p: torch.Tensor, q: torch.Tensor, g: torch.Generator) -> list[int]:
+    """One run of recursive rejection sampling over WIDTH children drawn from q without replacement (the
+    rule of ``verify.rejection_accept_tree``): for k = 1..WIDTH, whether one of the first k was accepted."""
+    out, accepted = [], False
+    for _ in range(WIDTH):
+        if not accepted and q.sum() > 0:
+            q = q / q.sum()
+            x = int(torch.multinomial(q, 1, generator=g))
+            if float(torch.rand((), generator=g)) < float(p[x] / q[x]):
+                accepted = True
+            else:
+                r = (p - q).clamp(min=0)
+                p, q = (r / r.sum() if r.sum() > 0 else r), q.clone()
+                q[x] = 0
+        out.append(int(accepted))
+    return out
+
+
+def candidates(m, rows, a) -> None:
+    from selfspec.sampling import probs_from_logits
+
+    seen: list = []
+    recording(m.sampled_drafter, seen)
+    drawn, top, steps = torch.zeros(WIDTH), torch.zeros(WIDTH), 0
+    torch.manual_seed(a.seed)
+    g = torch.Generator().manual_seed(a.seed + 1)
+    for i, row in enumerate(rows):
+        seen.clear()
+        m.generate(encode(m, row["prompt"]), max_new_tokens=a.max_new_tokens, do_sample=True,
+                   temperature=a.temperature)
+        for draft, params, out, _ in seen:
+            q = draft.q[int(draft.q_rows()[1])].float()   # the distribution the root's children were drawn from
+            p = probs_from_logits(out.logits[0], params).float()
+            top += p[q.topk(WIDTH).indices].cumsum(0)
+            drawn += torch.tensor([drawn_acceptance(p, q, g) for _ in range(SIMULATIONS)], dtype=torch.float).mean(0)
+            steps += 1
+        print(f"prompt {i + 1}/{len(rows)}", file=sys.stderr, flush=True)
+    print(f"{steps} steps at T={a.temperature}\n\n| children k | drawn from q | the head's top k |\n|---|---|---|")
+    for k in range(WIDTH):
+        print(f"| {k + 1} | {drawn[k] / max(steps, 1):.4f} | {top[k] / max(steps, 1):.4f} |")
+
+
 def response_tokens(data: str):
     """Every response token of the gen-data directories ``data``, row after row."""
     from selfspec.training.data import load_distillation_data
@@ -198,7 +250,7 @@ def vocab(heads: Path, rows, ranked: list[int], a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("probe", choices=("calibration", "temperature", "vocab", "coverage"))
+    ap.add_argument("probe", choices=("calibration", "temperature", "candidates", "vocab", "coverage"))
     ap.add_argument("--prompts", default="", help="JSONL, one {\"prompt\": ...} a line (every probe but coverage)")
     ap.add_argument("--heads", default="checkpoints/smollm2-135m/eagle")
     ap.add_argument("--n", type=int, default=30, help="prompts decoded (the file's first)")
@@ -249,7 +301,8 @@ def main() -> None:
     if a.probe == "vocab":
         vocab(heads, rows, ranked, a)
     else:
-        (calibration if a.probe == "calibration" else temperature)(load(heads, a.tree), rows, a)
+        {"calibration": calibration, "temperature": temperature, "candidates": candidates}[a.probe](
+            load(heads, a.tree), rows, a)
 
 
 if __name__ == "__main__":
