@@ -43,6 +43,8 @@ def check_generate_args(args) -> None:
     """Everything about ``selfspec generate``'s flags that can be wrong, checked before torch loads."""
     at_least(args.max_new_tokens, 1, "max_new_tokens")
     check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.prompt == "-":   # the prompt from standard input (a file, a here-document, a pipe)
+        args.prompt = sys.stdin.read()
     check_prompt_text(args.prompt)
     if args.draft_model is not None and args.drafter != "draft-model":
         raise ValueError("--draft-model only applies to --drafter draft-model: drop it or add --drafter draft-model")
@@ -109,7 +111,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
         takers = [d for d in DRAFTER_NAMES if getattr(DRAFTER_SETTINGS[d], key) is not None]
         p.add_argument(f"--{key}", default="auto", help=f"{' / '.join(takers)}: {SETTING_HELP[key]}")
     p.add_argument("--corpus", default="auto", help=CORPUS_HELP)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True,
+                   help="the text to continue (with --chat, the user's message); - reads it from standard input")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact); > 0 samples losslessly")

@@ -342,3 +342,22 @@ def test_tune_layouts_needs_a_batch_of_at_least_one_row(d, one_thread):
     with pytest.raises(ValueError) as excinfo:
         sm.tune_layouts(batch=0)
     assert "at least one row" in _one_line(excinfo)
+
+
+def test_generate_reads_the_prompt_from_stdin_for_a_dash(monkeypatch):
+    """``--prompt -`` takes the prompt from standard input (a pipe, a file); an empty one is refused like
+    an empty --prompt."""
+    import argparse
+    import io
+
+    from selfspec.cli import add_generate, check_generate_args
+
+    parser = argparse.ArgumentParser()
+    add_generate(parser)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Name two colours.\nThen a third.\n"))
+    args = parser.parse_args(["--prompt", "-"])
+    check_generate_args(args)
+    assert args.prompt == "Name two colours.\nThen a third.\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" \n"))
+    with pytest.raises(ValueError, match="--prompt is empty"):
+        check_generate_args(parser.parse_args(["--prompt", "-"]))
