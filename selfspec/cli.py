@@ -46,6 +46,8 @@ def check_generate_args(args) -> None:
     if args.prompt == "-":   # the prompt from standard input (a file, a here-document, a pipe)
         args.prompt = sys.stdin.read()
     check_prompt_text(args.prompt)
+    if args.stop is not None and not all(args.stop):
+        raise ValueError("--stop is empty: give the text to stop at, or drop the flag")
     if args.draft_model is not None and args.drafter != "draft-model":
         raise ValueError("--draft-model only applies to --drafter draft-model: drop it or add --drafter draft-model")
     if args.heads is not None and args.drafter not in HEADS_DRAFTERS:
@@ -85,7 +87,7 @@ def cmd_generate(args) -> int:
     streamer = None if args.json else TextStreamer(sm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = sm.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
                       temperature=args.temperature if sampling else None, top_p=args.top_p if sampling else None,
-                      top_k=args.top_k if sampling else None, streamer=streamer, generator=gen)
+                      top_k=args.top_k if sampling else None, stop_strings=args.stop, streamer=streamer, generator=gen)
     new = out[0, ids.shape[1]:]
     stats = sm.last_stats
     if args.json:
@@ -115,6 +117,9 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                    help="the text to continue (with --chat, the user's message); - reads it from standard input")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="end the answer at the first token that completes STRING (kept, as transformers' "
+                        "stop_strings keep it); repeat for several")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

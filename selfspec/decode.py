@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -24,6 +25,7 @@ from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
 
 if TYPE_CHECKING:
     from .step import StaticStep
+    from .stopping import StopStrings   # a rule over token ids; the loop never sees the tokenizer
 
 
 @dataclass
@@ -290,6 +292,7 @@ def decode_rows(
     on_tokens: Callable[[int, list[int]], None] | None = None,
     step: StaticStep | None = None,
     cost: VerifyCost | None = None,
+    stop: StopStrings | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
@@ -300,8 +303,9 @@ def decode_rows(
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``budget.fit_width``; with ``step``, a ``VerifyCost``
-    built on that step, which prices its buckets). Returns (new tokens per row,
-    stats summed over rows)."""
+    built on that step, which prices its buckets). A row ends at ``max_new_tokens``, at its first EOS or,
+    with ``stop``, at the first token that completes a stop string (both kept). Returns (new tokens per
+    row, stats summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
     t0 = time.perf_counter()
@@ -319,17 +323,26 @@ def decode_rows(
     states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator)
               for b, p in enumerate(prompts)]
     outs = prefill_rows(backbone, cache, [p.to(dev) for p in prompts], capture=drafter.capture_layers)
-    new: list[list[int]] = []
+    new: list[list[int]] = [[] for _ in range(B)]
+    ended = [False] * B
+
+    def emit(b: int, tokens: list[int]) -> None:
+        """Row b's tokens out of a step: as many as it may still take (``_take``), to the caller."""
+        # What a stop string's match may span: the row's last tokens, the prompt's included.
+        before = () if stop is None else [*prompts[b][-stop.window:].tolist(), *new[b][-stop.window:]]
+        kept, ended[b] = _take(tokens, max_new_tokens - len(new[b]), eos_token_ids, stop, before=before)
+        new[b].extend(kept)
+        if on_tokens:
+            on_tokens(b, kept)
+
     for b, (s, out) in enumerate(zip(states, outs)):
         first = int(out.logits[-1].argmax()) if not params.do_sample else int(
             sample(probs_from_logits(out.logits[-1], params), generator))
         s.ids.append(first)
-        new.append(_take([first], max_new_tokens, eos_token_ids))
-        if on_tokens:
-            on_tokens(b, new[b])
+        emit(b, [first])
     drafter.begin_rows(drafters, states, outs)
     stats.target_forwards = 1
-    live = [b for b in range(B) if _running(new[b], max_new_tokens, eos_token_ids)]
+    live = [b for b in range(B) if not ended[b]]
     _sync(dev)
     stats.prefill_s = time.perf_counter() - t0
 
@@ -355,11 +368,8 @@ def decode_rows(
         stats.target_forwards += 1
         for b, d, a, toks in zip(live, drafts, accepted, committed):
             stats.record(d.tree.depth, a.num_accepted, d.tree.size - 1)
-            emitted = _take(toks, max_new_tokens - len(new[b]), eos_token_ids)
-            new[b].extend(emitted)
-            if on_tokens:
-                on_tokens(b, emitted)
-        live = [b for b in live if _running(new[b], max_new_tokens, eos_token_ids)]
+            emit(b, toks)
+        live = [b for b in live if not ended[b]]
 
     _sync(dev)
     stats.wall_s = time.perf_counter() - t0
@@ -371,17 +381,13 @@ def decode_rows(
 
 def decode(backbone: Backbone, drafter: Drafter, prompt: torch.Tensor, *, params: SamplingParams, max_new_tokens: int,
            eos_token_ids: set[int], generator: torch.Generator | None,
-           on_tokens: Callable[[list[int]], None] | None = None, cost: VerifyCost | None = None
-           ) -> tuple[list[int], DecodeStats]:
+           on_tokens: Callable[[list[int]], None] | None = None, cost: VerifyCost | None = None,
+           stop: StopStrings | None = None) -> tuple[list[int], DecodeStats]:
     """One prompt (n,): ``decode_rows`` with a batch of one. Returns (new tokens, stats)."""
     rows, stats = decode_rows(backbone, drafter, [prompt], params=params, max_new_tokens=max_new_tokens,
-                              eos_token_ids=eos_token_ids, generator=generator, cost=cost,
+                              eos_token_ids=eos_token_ids, generator=generator, cost=cost, stop=stop,
                               on_tokens=None if on_tokens is None else (lambda _b, toks: on_tokens(toks)))
     return rows[0], stats
-
-
-def _running(new: list[int], room: int, eos: set[int]) -> bool:
-    return len(new) < room and new[-1] not in eos
 
 
 def _shrink(cache: KVCache, states: list[DecodeState], live: list[int]) -> list[int]:
@@ -393,10 +399,16 @@ def _shrink(cache: KVCache, states: list[DecodeState], live: list[int]) -> list[
     return live
 
 
-def _take(tokens: list[int], room: int, eos: set[int]) -> list[int]:
-    """At most ``room`` tokens, ending at the first EOS (kept, as transformers does)."""
+def _take(tokens: list[int], room: int, eos: set[int], stop: StopStrings | None = None, *,
+          before: Sequence[int] = ()) -> tuple[list[int], bool]:
+    """At most ``room`` tokens, ending at the first EOS or the first that completes a stop string, read
+    after ``before`` (the row's tokens so far, prompt included); either is kept, as transformers keeps it.
+    Returns (those tokens, whether the row ends with them)."""
     tokens = tokens[:room]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    cut = next((i for i, t in enumerate(tokens) if t in eos), None)
+    if stop is not None:
+        at = stop.first(before, tokens if cut is None else tokens[: cut + 1])
+        cut = at if at is not None else cut
+    if cut is not None:
+        return tokens[: cut + 1], True
+    return tokens, len(tokens) == room

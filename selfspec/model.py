@@ -34,6 +34,7 @@ from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .projection import FewRowLinears, few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
+from .stopping import StopStrings
 from .shipped import (HEADS_DRAFTERS, LOOKUP_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_corpus,
                       shipped_draft, shipped_heads)
 from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
@@ -374,8 +375,8 @@ class SelfSpeculativeModel:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
-                 temperature=None, top_k=None, top_p=None, eos_token_id=None, streamer=None,
-                 generation_config=None, generator: torch.Generator | None = None,
+                 temperature=None, top_k=None, top_p=None, eos_token_id=None, stop_strings=None, tokenizer=None,
+                 streamer=None, generation_config=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
         """Like transformers' ``generate``; returns (B, prompt + new) ids.
 
@@ -386,7 +387,10 @@ class SelfSpeculativeModel:
         ``attention_mask``, as transformers 5's ``apply_chat_template`` returns). Rows that finish early are padded on the right with ``pad_token_id``, as
         transformers pads them. Every row's tokens are exactly the plain model's for that prompt
         alone (greedy), or follow its distribution (sampling). Pass ``generator=`` for reproducible
-        sampling. Stats, summed over rows, go to ``last_stats``.
+        sampling. ``stop_strings`` (a string or a list; else the generation config's) ends a row at the
+        first token that completes one, kept, as transformers' ``generate(stop_strings=...,
+        tokenizer=...)`` does; the tokenizer defaults to this model's. Stats, summed over rows, go to
+        ``last_stats``.
         """
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
@@ -409,6 +413,8 @@ class SelfSpeculativeModel:
         )
         eos = pick(eos_token_id, "eos_token_id", None)
         eos_ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+        strings = pick(stop_strings, "stop_strings", None)
+        stop = StopStrings(tokenizer if tokenizer is not None else self.tokenizer, strings) if strings else None
 
         window = self.backbone.sliding_window
         longest = max(int(p.shape[0]) for p in prompts)
@@ -437,7 +443,7 @@ class SelfSpeculativeModel:
         with self.linears:
             new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                     on_tokens=on_tokens, step=self.step, cost=cost)
+                                     on_tokens=on_tokens, step=self.step, cost=cost, stop=stop)
         if streamer is not None:
             streamer.end()
         self.last_stats = stats

@@ -101,6 +101,7 @@ CASES = [
     ("generate-negative-temperature", "generate --prompt hi --temperature -1"),
     ("generate-negative-top-k", "generate --prompt hi --temperature 0.7 --top-k -3"),
     ("generate-empty-prompt", ["generate", "--prompt", ""]),
+    ("generate-empty-stop", ["generate", "--prompt", "hi", "--stop", ""]),
     ("generate-heads-for-lookup", "generate --prompt hi --drafter lookup --heads {d}/medusa"),
     ("generate-draft-model-for-medusa", "generate --prompt hi --drafter medusa --draft-model {d}/tiny"),
     ("generate-unknown-drafter", "generate --prompt hi --drafter warp"),

@@ -277,6 +277,45 @@ def test_rows_stop_at_their_own_eos_and_leave_the_batch(step, one_thread):
     assert stats.new_tokens == sum(len(x) for x in expected)
 
 
+def char_tokenizer(vocab_size: int):
+    """A tokenizer whose tokens are single printable characters (ids 3 on; 0-2 pad, unk, eos), whose strings
+    join as they are: the kind of vocabulary transformers' stop-string matching reads."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = (string.ascii_letters + string.digits + string.punctuation)[: vocab_size - 3]
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_rows_stop_at_stop_strings_where_transformers_stops_them(step, one_thread):
+    """stop_strings: every row, with every drafter, ends on the token transformers' generate(stop_strings=...)
+    ends that prompt on alone (kept), whichever number of tokens the step that met it accepted."""
+    from selfspec.stopping import StopStrings
+
+    model, bb, prompts, _, drafters = every_drafter("llama")
+    tok = char_tokenizer(model.config.vocab_size)
+    long = _alone(model, prompts, 40)
+    # One row meets a string early, one late; a four-token string spans steps; others may meet them too.
+    strings = [tok.convert_ids_to_tokens(long[1][3]), tok.convert_ids_to_tokens(long[3][25]),
+               "".join(tok.convert_ids_to_tokens(long[0][12:16]))]
+    expected = [model.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=40, do_sample=False,
+                               stop_strings=strings, tokenizer=tok, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    assert len(expected[1]) <= 4 and len({len(x) for x in expected}) > 1   # the rows stop at different places
+    stop = StopStrings(tok, strings)
+    for drafter in drafters:
+        new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids=set(),
+                                 generator=None, step=_step(step, bb), stop=stop)
+        assert new == expected, f"{drafter.name} ({step}): a row stopped elsewhere than transformers stops it"
+        assert stats.new_tokens == sum(len(x) for x in expected)
+
+
 class ResumingOracle(RowOracle):
     """Drafts as early exit does: runs layers[0:E] on the pending token and the first m - 1 chain
     drafts through the row's cache, one token at a time, and hands their states to the verifier;
@@ -408,6 +447,35 @@ def test_generate_takes_left_padded_batches_and_lists(one_thread):
     assert torch.equal(sm.generate(**encoded, max_new_tokens=12), listed)
     with pytest.raises(ValueError, match="without 'input_ids'"):
         sm.generate({"attention_mask": mask}, max_new_tokens=12)
+
+
+def test_generate_takes_stop_strings_as_transformers_does(one_thread):
+    """generate(stop_strings=...) with the model's own tokenizer (or tokenizer=, or the generation config's
+    strings), rows padded after their stop as transformers pads them; no tokenizer at all is one line."""
+    model = tiny_model("llama")
+    tok = char_tokenizer(model.config.vocab_size)
+    sm = SelfSpeculativeModel(model, tok, drafter_name="eagle", heads=untrained_heads("eagle", model, "tiny"),
+                              tree="auto", name="tiny")
+    prompts = _prompts(model.config.vocab_size, lengths=(5, 8, 3))
+    long = _alone(model, prompts, 16)
+    strings = [tok.convert_ids_to_tokens(long[0][5]), "".join(tok.convert_ids_to_tokens(long[2][9:11]))]
+    T = 8
+    ids = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = (ids != 0).long()
+    for p, row in zip(prompts, sm.generate(ids, attention_mask=mask, max_new_tokens=16, stop_strings=strings,
+                                           pad_token_id=0)):
+        alone = model.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=16, do_sample=False,
+                               stop_strings=strings, tokenizer=tok, pad_token_id=0)[0, len(p):].tolist()
+        assert row[T:].tolist() == alone + [0] * (16 - len(alone))
+    assert len(sm.generate(prompts[0][None], max_new_tokens=16, stop_strings=strings[0])[0]) == 5 + 6
+    model.generation_config.stop_strings = strings[0]
+    assert len(sm.generate(prompts[0][None], max_new_tokens=16, tokenizer=tok)[0]) == 5 + 6
+    model.generation_config.stop_strings = None
+    bare = SelfSpeculativeModel(model, None, drafter_name="none", heads=None, name="tiny")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        bare.generate(prompts[0][None], max_new_tokens=4, stop_strings="x")
+    with pytest.raises(ValueError, match="non-empty strings"):
+        sm.generate(prompts[0][None], max_new_tokens=4, stop_strings=["x", ""])
 
 
 # ---------------------------------------------------------------------------------------------- sampling

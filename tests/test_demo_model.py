@@ -149,6 +149,19 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
         assert pinned.drafter_for(True) is pinned.drafter and pinned.sampled_name == pinned.drafter_name
 
 
+def test_demo_stop_strings_identical_to_transformers(demo, references):
+    """stop_strings on the real byte-level tokenizer: the default drafter's rows end on the token
+    transformers' generate(stop_strings=..., tokenizer=...) ends them on, a string inside a token included."""
+    sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", device=demo.model.device, dtype=torch.float32)
+    for i, strings in ((0, ["):"]), (1, [" the"]), (2, ["\n\n", "2."])):
+        ids, _ = references[i]
+        ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
+                                  stop_strings=strings, tokenizer=demo.tokenizer,
+                                  pad_token_id=demo.tokenizer.eos_token_id)
+        assert ref.shape[1] - ids.shape[1] < N_NEW, f"{strings} never met: pick strings the answer holds"
+        assert torch.equal(sm.generate(ids, max_new_tokens=N_NEW, stop_strings=strings), ref), strings
+
+
 def test_demo_loading_is_cached_and_fast(demo):
     import time
 
