@@ -45,7 +45,7 @@ from .tuned_pairs import pair_decode
 log = logging.getLogger(__name__)
 
 # generate() kwargs transformers users commonly pass that have no effect here.
-_IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id", "num_beams", "num_return_sequences"}
+_IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id"}
 
 
 def _prompt_rows(input_ids, attention_mask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -376,7 +376,7 @@ class SelfSpeculativeModel:
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
                  temperature=None, top_k=None, top_p=None, eos_token_id=None, stop_strings=None, tokenizer=None,
-                 streamer=None, generation_config=None, generator: torch.Generator | None = None,
+                 num_return_sequences=None, num_beams=None, streamer=None, generation_config=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
         """Like transformers' ``generate``; returns (B, prompt + new) ids.
 
@@ -394,17 +394,30 @@ class SelfSpeculativeModel:
         """
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
-            raise ValueError(f"generate() does not support {', '.join(sorted(unknown))}")
+            raise ValueError(f"generate() does not support {', '.join(sorted(unknown))}: drop it (selfspec returns the "
+                             "plain model's greedy or sampled output, with temperature, top_k and top_p)")
         prompts, input_ids = _prompt_rows(input_ids, attention_mask)
-        if streamer is not None and len(prompts) > 1:
-            raise ValueError(f"a streamer takes one sequence; got a batch of {len(prompts)} (drop streamer= or pass one prompt)")
-
         gc = generation_config if generation_config is not None else self.model.generation_config
         pick = lambda given, attr, default: given if given is not None else (getattr(gc, attr, None) if getattr(gc, attr, None) is not None else default)  # noqa: E731
         max_new = pick(max_new_tokens, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if int(max_new) < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new})")
         sampling = bool(pick(do_sample, "do_sample", False))
+        if int(pick(num_beams, "num_beams", 1)) != 1:
+            raise ValueError(f"num_beams={pick(num_beams, 'num_beams', 1)}: beam search is not supported (selfspec "
+                             "decodes greedily or samples); set num_beams=1")
+        copies = int(pick(num_return_sequences, "num_return_sequences", 1))
+        if copies < 1:
+            raise ValueError(f"num_return_sequences must be >= 1 (got {copies})")
+        if copies > 1 and not sampling:
+            raise ValueError(f"num_return_sequences={copies}: greedy decoding returns one sequence a prompt (as "
+                             "transformers' does); sample (do_sample=True) for more, or set it to 1")
+        if copies > 1:   # each prompt's samples side by side, as transformers orders them
+            prompts = [p for p in prompts for _ in range(copies)]
+            input_ids = None if input_ids is None else input_ids.repeat_interleave(copies, dim=0)
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError(f"a streamer takes one sequence; got a batch of {len(prompts)} (drop streamer= or pass "
+                             "one prompt, with num_return_sequences=1)")
         params = SamplingParams(
             do_sample=sampling,
             temperature=float(pick(temperature, "temperature", 1.0)),

@@ -478,6 +478,24 @@ def test_generate_takes_stop_strings_as_transformers_does(one_thread):
         sm.generate(prompts[0][None], max_new_tokens=4, stop_strings=["x", ""])
 
 
+def test_generate_returns_several_samples_a_prompt_and_refuses_beams(one_thread):
+    """num_return_sequences=n samples n rows a prompt, side by side as transformers orders them (the same
+    rows as the prompts repeated by hand, under one seed); greedy with n > 1 and num_beams > 1 are refused."""
+    model = tiny_model("llama")
+    sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=untrained_heads("medusa", model, "tiny"),
+                              tree="auto", name="tiny")
+    prompts = [p.tolist() for p in _prompts(model.config.vocab_size, lengths=(5, 3))]
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=1.5)
+    out = sm.generate(prompts, num_return_sequences=3, generator=torch.Generator().manual_seed(1), **kw)
+    by_hand = sm.generate([p for p in prompts for _ in range(3)], generator=torch.Generator().manual_seed(1), **kw)
+    assert out.shape == (6, 5 + 10) and torch.equal(out, by_hand)
+    assert len({tuple(r) for r in out[:3, 5:].tolist()}) > 1          # three samples, not one copied
+    for bad, match in ((dict(num_beams=4), "beam search"), (dict(num_return_sequences=2), "greedy decoding returns one"),
+                       (dict(num_return_sequences=0, do_sample=True), "must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            sm.generate(prompts, max_new_tokens=4, **bad)
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 
 V, L, N = 6, 3, 2400
