@@ -42,7 +42,8 @@ def format_stats(stats) -> str:
 def check_generate_args(args) -> None:
     """Everything about ``selfspec generate``'s flags that can be wrong, checked before torch loads."""
     at_least(args.max_new_tokens, 1, "max_new_tokens")
-    check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   repetition_penalty=args.repetition_penalty)
     if args.prompt == "-":   # the prompt from standard input (a file, a here-document, a pipe)
         args.prompt = sys.stdin.read()
     check_prompt_text(args.prompt)
@@ -87,7 +88,8 @@ def cmd_generate(args) -> int:
     streamer = None if args.json else TextStreamer(sm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = sm.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
                       temperature=args.temperature if sampling else None, top_p=args.top_p if sampling else None,
-                      top_k=args.top_k if sampling else None, stop_strings=args.stop, streamer=streamer, generator=gen)
+                      top_k=args.top_k if sampling else None, repetition_penalty=args.repetition_penalty,
+                      stop_strings=args.stop, streamer=streamer, generator=gen)
     new = out[0, ids.shape[1]:]
     stats = sm.last_stats
     if args.json:
@@ -123,6 +125,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty (greedy or sampling; 1 = off; default: the model's generation config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
     p.add_argument("--compile", action="store_true",

@@ -20,7 +20,7 @@ from .backbone import Backbone
 from .budget import VerifyCost, fit_width
 from .cache import KVCache
 from .drafters.base import DecodeState, Draft, Drafter, TargetOut
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, penalize_repeats, probs_from_logits, sample
 from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
 
 if TYPE_CHECKING:
@@ -246,21 +246,26 @@ def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, ca
 
 
 def accept_rows(drafts: list[Draft], outs: list[TargetOut], params: SamplingParams,
-                generator: torch.Generator | None) -> list[Accepted]:
-    """Each row's accepted path and bonus token: greedy as one batched tensor rule, sampling row by row."""
+                generator: torch.Generator | None, contexts: Sequence[Sequence[int]] = ()) -> list[Accepted]:
+    """Each row's accepted path and bonus token: greedy as one batched tensor rule, sampling row by row.
+    ``contexts``: each row's committed tokens (prompt included), which a repetition penalty reads."""
+    logits = [o.logits for o in outs]
+    if params.repetition_penalty != 1.0:   # every node's logits, penalised for the tokens of its own text
+        logits = [penalize_repeats(z, c, params.repetition_penalty, d.tokens, d.tree.ancestors)
+                  for z, c, d in zip(logits, contexts, drafts, strict=True)]
     if not params.do_sample:
-        return greedy_accept_rows([d.tree for d in drafts], [d.tokens for d in drafts],
-                                  [o.logits.argmax(-1) for o in outs])
-    return [_sample_accept(d, o, params, generator) for d, o in zip(drafts, outs)]
+        return greedy_accept_rows([d.tree for d in drafts], [d.tokens for d in drafts], [z.argmax(-1) for z in logits])
+    return [_sample_accept(d, z, params, generator) for d, z in zip(drafts, logits)]
 
 
-def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None) -> Accepted:
-    return accept_rows([draft], [out], params, generator)[0]
+def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None,
+           context: Sequence[int] = ()) -> Accepted:
+    return accept_rows([draft], [out], params, generator, contexts=[context])[0]
 
 
-def _sample_accept(draft: Draft, out: TargetOut, params: SamplingParams, generator) -> Accepted:
-    tokens = draft.tokens.to(out.logits.device)
-    p = probs_from_logits(out.logits, params)
+def _sample_accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> Accepted:
+    tokens = draft.tokens.to(logits.device)
+    p = probs_from_logits(logits, params)
     if draft.q is None:  # nothing drafted: a plain sampling step
         return Accepted(path=(0,), bonus=int(sample(p[0], generator)))
     return rejection_accept_tree(draft.tree, tokens, p, draft.q.to(p.device), draft.q_rows().to(p.device),
@@ -336,8 +341,9 @@ def decode_rows(
             on_tokens(b, kept)
 
     for b, (s, out) in enumerate(zip(states, outs)):
-        first = int(out.logits[-1].argmax()) if not params.do_sample else int(
-            sample(probs_from_logits(out.logits[-1], params), generator))
+        last = out.logits[-1] if params.repetition_penalty == 1.0 else \
+            penalize_repeats(out.logits[-1:], s.ids, params.repetition_penalty)[0]
+        first = int(last.argmax()) if not params.do_sample else int(sample(probs_from_logits(last, params), generator))
         s.ids.append(first)
         emit(b, [first])
     drafter.begin_rows(drafters, states, outs)
@@ -356,7 +362,7 @@ def decode_rows(
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
-        accepted = accept_rows(drafts, outs, params, generator)                      # ACCEPT
+        accepted = accept_rows(drafts, outs, params, generator, [s.ids for s in rows])  # ACCEPT
         committed = commit_rows(cache, rows, drafts, accepted)                       # COMMIT
         drafter.commit_rows(live_drafters, rows, accepted, outs)                    # (each row's drafter state)
         _sync(dev)

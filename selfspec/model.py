@@ -46,6 +46,16 @@ log = logging.getLogger(__name__)
 
 # generate() kwargs transformers users commonly pass that have no effect here.
 _IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id"}
+# Generation-config settings that would change transformers' output and that selfspec does not apply, each with
+# the value that leaves the output alone (None, or an empty list, is off too). A model whose generation_config.json
+# sets one is refused, not decoded differently; the second set acts only when sampling.
+_UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0,
+              "min_new_tokens": 0, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+              "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "sequence_bias": None,
+              "guidance_scale": 1.0, "diversity_penalty": 0.0, "penalty_alpha": None, "num_beam_groups": 1,
+              "dola_layers": None, "force_words_ids": None, "constraints": None, "encoder_repetition_penalty": 1.0,
+              "watermarking_config": None, "renormalize_logits": False}
+_UNAPPLIED_SAMPLING = {"typical_p": 1.0, "min_p": 0.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
 
 
 def _prompt_rows(input_ids, attention_mask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -375,7 +385,8 @@ class SelfSpeculativeModel:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
-                 temperature=None, top_k=None, top_p=None, eos_token_id=None, stop_strings=None, tokenizer=None,
+                 temperature=None, top_k=None, top_p=None, repetition_penalty=None, eos_token_id=None,
+                 stop_strings=None, tokenizer=None,
                  num_return_sequences=None, num_beams=None, streamer=None, generation_config=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
         """Like transformers' ``generate``; returns (B, prompt + new) ids.
@@ -403,6 +414,11 @@ class SelfSpeculativeModel:
         if int(max_new) < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new})")
         sampling = bool(pick(do_sample, "do_sample", False))
+        unapplied = {**_UNAPPLIED, **(_UNAPPLIED_SAMPLING if sampling else {})}
+        active = {k: getattr(gc, k) for k, off in unapplied.items() if getattr(gc, k, None) not in (None, off, [], ())}
+        if active:
+            raise ValueError(f"the generation config sets {', '.join(f'{k}={v!r}' for k, v in active.items())}, which "
+                             "selfspec does not apply: pass a generation_config= without it to decode exactly")
         if int(pick(num_beams, "num_beams", 1)) != 1:
             raise ValueError(f"num_beams={pick(num_beams, 'num_beams', 1)}: beam search is not supported (selfspec "
                              "decodes greedily or samples); set num_beams=1")
@@ -423,6 +439,7 @@ class SelfSpeculativeModel:
             temperature=float(pick(temperature, "temperature", 1.0)),
             top_k=int(pick(top_k, "top_k", 0)) if sampling else 0,
             top_p=float(pick(top_p, "top_p", 1.0)) if sampling else 1.0,
+            repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
         )
         eos = pick(eos_token_id, "eos_token_id", None)
         eos_ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})

@@ -2,11 +2,17 @@
 
 Rejection sampling is lossless for the *processed* target distribution, so temperature, top-k
 and top-p must be applied the same way to p (target) and q (draft). Order as in transformers:
-temperature, then top-k, then top-p.
+the repetition penalty, then temperature, then top-k, then top-p.
+
+The repetition penalty (``penalize_repeats``) is applied to the target's logits only, at every tree
+node with the tokens that node's own text holds (the context's and those on its path), as
+transformers applies it to the one sequence it extends; greedy then takes the argmax of the
+penalised logits. A draft needs no penalty for exactness (any q keeps rejection sampling lossless).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +24,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0          # 0 = off
     top_p: float = 1.0      # 1.0 = off
+    repetition_penalty: float = 1.0   # 1.0 = off; greedy too
 
     def __post_init__(self):
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty}); 1.0 is off")
         if self.do_sample:
             if not self.temperature > 0:
                 raise ValueError(f"temperature must be > 0 when sampling (got {self.temperature}); use do_sample=False for greedy")
@@ -45,6 +54,23 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def penalize_repeats(logits: torch.Tensor, context: Sequence[int], penalty: float,
+                     tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, V) logits -> float32 logits with transformers' repetition penalty (a seen token's logit divided
+    by ``penalty`` where positive, multiplied where negative). Row i predicts what follows ``context``
+    (the committed tokens, prompt included) and, in a tree, the path to node i: ``tokens`` (n,) the
+    nodes' tokens, ``ancestors`` (n, n) [i, j] = j is i or an ancestor of i. Without a tree every row
+    reads ``context`` alone."""
+    logits = logits.float()
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    ids = torch.as_tensor(list(context), dtype=torch.long, device=logits.device)
+    seen[:, ids[ids < logits.shape[-1]]] = True   # ids past the LM head's rows (a padded embedding) cannot repeat
+    if tokens is not None:
+        node, anc = ancestors.to(logits.device).nonzero(as_tuple=True)
+        seen[node, tokens.to(logits.device)[anc]] = True
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -103,6 +103,52 @@ def test_every_row_matches_its_prompt_alone_for_every_drafter(arch, step, one_th
             assert stats.tau > 1.8, f"{arch} {drafter.name}: rows should accept deep drafts (tau {stats.tau:.2f})"
 
 
+@pytest.mark.parametrize("step", STEPS)
+def test_every_row_matches_transformers_with_a_repetition_penalty(step, one_thread):
+    """Greedy with repetition_penalty: every drafter's rows are what transformers' generate gives each prompt
+    alone with the same penalty (a drafted node is judged by logits penalised for its own path)."""
+    model, bb, prompts, plain, drafters = every_drafter("llama")
+    params = SamplingParams(repetition_penalty=1.8)
+    ref = [model.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=N_NEW, do_sample=False,
+                          repetition_penalty=1.8, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert ref != plain, "not vacuous: the penalty changes the output"
+    # The oracles propose the penalised continuation, so deep drafts are accepted only if judged by logits
+    # penalised for the path above them.
+    refs_full = [p.tolist() + r for p, r in zip(prompts, ref)]
+    oracles = [RowOracle(refs_full, chain(4)), RowOracle(refs_full, ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)))]
+    for drafter in [d for d in drafters if not isinstance(d, RowOracle)] + oracles:
+        new, stats = decode_rows(bb, drafter, prompts, params=params, max_new_tokens=N_NEW, eos_token_ids=set(),
+                                 generator=None, step=_step(step, bb))
+        assert new == ref, f"{drafter.name} ({step}): a row differs from transformers' penalised greedy output"
+        if isinstance(drafter, RowOracle):
+            assert stats.tau > 1.8, f"oracle rows should accept deep drafts (tau {stats.tau:.2f})"
+
+
+def test_generate_reads_the_models_generation_config_and_refuses_what_it_cannot_apply(one_thread):
+    """A model whose generation_config.json sets a repetition penalty (as Qwen2.5's instruct models do)
+    decodes with it, as transformers' generate does; a setting selfspec does not apply (an n-gram ban, a
+    minimum length, min-p when sampling) is refused in one line, never decoded differently."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama")
+    sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=untrained_heads("medusa", model, "tiny"),
+                              tree="auto", name="tiny")
+    p = _prompts(model.config.vocab_size, lengths=(6,))[0][None]
+    plain = sm.generate(p, max_new_tokens=N_NEW)
+    model.generation_config.repetition_penalty = 1.8
+    try:
+        ref = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=N_NEW)
+        assert not torch.equal(ref, plain) and torch.equal(sm.generate(p, max_new_tokens=N_NEW), ref)
+    finally:
+        model.generation_config.repetition_penalty = None
+    for gc, match in ((GenerationConfig(no_repeat_ngram_size=2), "no_repeat_ngram_size=2"),
+                      (GenerationConfig(min_new_tokens=4), "min_new_tokens=4"),
+                      (GenerationConfig(do_sample=True, min_p=0.1), "min_p=0.1")):
+        with pytest.raises(ValueError, match=f"generation config sets {match}, which selfspec does not apply"):
+            sm.generate(p, max_new_tokens=4, generation_config=gc)
+    assert sm.generate(p, max_new_tokens=4, generation_config=GenerationConfig(min_p=0.1)).shape[1] == 6 + 4   # greedy
+
+
 def every_drafter(arch: str):
     """(model, backbone, prompts, each prompt's greedy continuation alone, one drafter of every kind)."""
     model = tiny_model(arch)
@@ -503,16 +549,22 @@ ROWS = 48   # rows per batch: the loop's per-row work costs less in bigger batch
 
 
 def _exact(model, prompt, params):
+    """Every L-token continuation's probability under the target, the repetition penalty applied by
+    transformers' own processor (not selfspec's)."""
     import itertools
+
+    from transformers import RepetitionPenaltyLogitsProcessor
 
     from selfspec.sampling import probs_from_logits
 
+    penalty = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
     out = {}
     with torch.no_grad():
         for seq in itertools.product(range(V), repeat=L):
             prob = 1.0
             for i in range(L):
-                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
+                ids = torch.tensor([prompt + list(seq[:i])])
+                logits = penalty(ids, model(ids).logits[:, -1])[0]
                 prob *= float(probs_from_logits(logits, params)[seq[i]])
             out[seq] = prob
     return out
@@ -630,14 +682,46 @@ def test_batch_sampling_check_catches_rows_judged_by_each_others_logits(one_thre
     model, bb, params, prompts, drafter = _sampling_setup()
     real = decode_mod.accept_rows
 
-    def swapped(drafts, outs, params, generator):
+    def swapped(drafts, outs, params, generator, *context):
         outs = outs[1:] + outs[:1]
         fixed = [type(o)(logits=o.logits[: d.tree.size] if o.logits.shape[0] >= d.tree.size else
                          torch.cat([o.logits, o.logits[-1:].expand(d.tree.size - o.logits.shape[0], -1)]),
                          hidden=o.hidden, captured=o.captured) for d, o in zip(drafts, outs)]
-        return real(drafts, fixed, params, generator)
+        return real(drafts, fixed, params, generator, *context)
 
     monkeypatch.setattr(decode_mod, "accept_rows", swapped)
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS)
+    stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
+    assert any(stat > threshold for stat, threshold in stats)
+
+
+PENALTY = 0.15
+
+
+def test_sampling_with_a_repetition_penalty_is_lossless(one_thread):
+    """Sampled rows keep the distribution transformers' repetition penalty gives the target: each tree node's
+    logits penalised for the tokens of its own text (context and path). The penalty is below 1 (repeats
+    favoured): on this tiny model's small logits it moves the distribution far more than one above 1 does
+    (2.5 moves it by 0.10 in total variation), so that a penalty read from the wrong tokens shows."""
+    model, bb, _, prompts, drafter = _sampling_setup()
+    params = SamplingParams(do_sample=True, temperature=1.0, top_p=0.95, repetition_penalty=PENALTY)
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS)
+    for prompt, c in zip(prompts, counts):
+        stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
+        assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the penalised distribution"
+
+
+def test_sampling_check_catches_a_penalty_blind_to_the_committed_text(one_thread, monkeypatch):
+    """Planted bug: the tree's nodes penalised for the tokens on their own path only, not for the committed
+    text before it (the prompt's and earlier steps' tokens). The same check must fail. (A penalty blind
+    to the drafted path instead is caught by the greedy test above, whose oracle drafts are judged deep.)"""
+    from selfspec import sampling
+
+    model, bb, _, prompts, drafter = _sampling_setup()
+    real = sampling.penalize_repeats
+    monkeypatch.setattr(decode_mod, "penalize_repeats",
+                        lambda z, context, penalty, *tree: real(z, context if not tree else (), penalty, *tree))
+    params = SamplingParams(do_sample=True, temperature=1.0, repetition_penalty=PENALTY)   # no top-p: no impossible cell
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS)
     stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
     assert any(stat > threshold for stat, threshold in stats)

@@ -149,10 +149,15 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
         assert pinned.drafter_for(True) is pinned.drafter and pinned.sampled_name == pinned.drafter_name
 
 
-def test_demo_stop_strings_identical_to_transformers(demo, references):
+def test_demo_stop_strings_and_repetition_penalty_identical_to_transformers(demo, references):
     """stop_strings on the real byte-level tokenizer: the default drafter's rows end on the token
-    transformers' generate(stop_strings=..., tokenizer=...) ends them on, a string inside a token included."""
+    transformers' generate(stop_strings=..., tokenizer=...) ends them on, a string inside a token included.
+    A repetition penalty: the same tokens as transformers' penalised greedy output."""
     sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", device=demo.model.device, dtype=torch.float32)
+    ids, plain = references[0]
+    ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
+                              repetition_penalty=1.3, pad_token_id=demo.tokenizer.eos_token_id)
+    assert not torch.equal(ref, plain) and torch.equal(sm.generate(ids, max_new_tokens=N_NEW, repetition_penalty=1.3), ref)
     for i, strings in ((0, ["):"]), (1, [" the"]), (2, ["\n\n", "2."])):
         ids, _ = references[i]
         ref = demo.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,

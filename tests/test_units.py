@@ -300,3 +300,26 @@ def test_model_card_shows_the_settings_of_the_method_it_was_measured_as():
     assert used == "- settings used: tree dynamic-5-2-4, threshold 0.3"
     [used] = [line for line in _bench_section(bench, "selfspec-eagle") if "settings used" in line]
     assert used == "- settings used: tree dynamic-6-2-6, threshold 0.4"
+
+
+@pytest.mark.parametrize("penalty", [1.7, 0.6])
+def test_repetition_penalty_at_each_tree_node_is_transformers_on_that_nodes_text(penalty):
+    """penalize_repeats on a hand-built tree: row i equals transformers' RepetitionPenaltyLogitsProcessor on
+    the context plus the path root..i (the root's token is the context's last)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from selfspec.sampling import penalize_repeats
+
+    tree = build_tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    context = [3, 7, 7, 1]
+    tokens = torch.tensor([1, 5, 3, 5, 9, 2, 4])           # node 0 is the root: the context's last token
+    logits = (torch.randn(12, generator=torch.Generator().manual_seed(0)) * 3).expand(tree.size, -1)   # one row
+    got = penalize_repeats(logits, context, penalty, tokens, tree.ancestors)
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    for i in range(tree.size):
+        text = context + tokens[list(tree.node_paths[i][1:])].tolist()
+        torch.testing.assert_close(got[i], processor(torch.tensor([text]), logits[i:i + 1].clone())[0])
+    assert not torch.equal(got[1], got[2]), "not vacuous: siblings with the same logits differ by their paths"
+    # Without a tree every row reads the context alone; ids past the LM head's rows are passed over.
+    torch.testing.assert_close(penalize_repeats(logits[:2], context + [40], penalty),
+                               processor(torch.tensor([context] * 2), logits[:2].clone()))

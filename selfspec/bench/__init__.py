@@ -39,6 +39,8 @@ def add_bench_args(p) -> None:
                         "takes another corpus the same way (selfspec-lookup@out/corpus beside selfspec-lookup)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="every method applies transformers' repetition penalty, hf-generate too (1 = off)")
     p.add_argument("--draft-model", default=None, help="draft for hf-assisted(-bf16) / selfspec-draft-model")
     for prefix, drafter in flag_prefixes().items():   # --medusa-heads, --medusa-tree, --exit-threshold, ...
         if drafter in HEADS_DRAFTERS:
@@ -70,7 +72,7 @@ def check_bench_args(args) -> tuple[list[str], str | None]:
     at_least(args.max_new_tokens, 1, "max_new_tokens")
     at_least(args.threads, 1, "threads")
     at_least(args.batch_size, 1, "batch_size")
-    check_sampling(temperature=args.temperature)
+    check_sampling(temperature=args.temperature, repetition_penalty=args.repetition_penalty)
     if args.out:
         check_output_dir(args.out, force=args.force)
     names, auto = resolve_auto(parse_methods(args.methods), model=args.model, temperature=args.temperature)
@@ -155,7 +157,8 @@ def run_bench_cli(args) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         methods, notes = build_methods(names, model=loaded.model, tokenizer=loaded.tokenizer, model_name=loaded.name,
-                                       temperature=args.temperature, heads=heads, draft_model=draft,
+                                       temperature=args.temperature, repetition_penalty=args.repetition_penalty,
+                                       heads=heads, draft_model=draft,
                                        settings=_method_settings(args), corpus=corpus, compile=args.compile)
     notes["corpus"] = None if corpus_dir is None else str(corpus_dir)
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
@@ -169,7 +172,8 @@ def run_bench_cli(args) -> int:
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
             "sample": args.sample,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "batch_size": args.batch_size,
-            "compile": args.compile, "decoding": decoding_mode(args.temperature), "chat_template": chat,
+            "compile": args.compile, "decoding": decoding_mode(args.temperature, repetition_penalty=args.repetition_penalty),
+            "repetition_penalty": args.repetition_penalty, "chat_template": chat,
             "methods": names, "auto": auto, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),
             "packed_products": p.device.type == "cpu" and packing_works(p.dtype),

@@ -136,6 +136,7 @@ def build_methods(
     tokenizer,
     model_name: str,
     temperature: float,
+    repetition_penalty: float = 1.0,
     heads: dict | None = None,
     draft_model=None,
     settings: dict | None = None,
@@ -164,6 +165,8 @@ def build_methods(
 
     eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sampling else dict(do_sample=False)
+    if repetition_penalty != 1.0:   # every method, transformers' too
+        kw["repetition_penalty"] = repetition_penalty
 
     def rows_of(out: torch.Tensor, width: int) -> list[list[int]]:
         """Each row's new tokens: up to its first EOS (kept); after it come only pads."""

@@ -14,11 +14,12 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def decoding_mode(temperature: float, *, top_p: float = 1.0, top_k: int = 0) -> str:
+def decoding_mode(temperature: float, *, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0) -> str:
     """What every method (hf-generate included) was asked to do: "greedy", or sampling and with what."""
+    penalty = "" if repetition_penalty == 1.0 else f", repetition penalty {repetition_penalty:g}"
     if temperature <= 0:
-        return "greedy"
-    return f"sampling (T={temperature:g}, top-p {top_p:g}, top-k {top_k if top_k > 0 else 'off'})"
+        return "greedy" + penalty
+    return f"sampling (T={temperature:g}, top-p {top_p:g}, top-k {top_k if top_k > 0 else 'off'}{penalty})"
 
 
 def markdown(result: dict) -> str:

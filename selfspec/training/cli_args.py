@@ -80,11 +80,14 @@ def in_unit_interval(value, name: str, *, open_low: bool = False, open_high: boo
         raise ValueError(f"{flag(name)} must be in {span} (got {value:g})")
 
 
-def check_sampling(*, temperature: float, top_p: float | None = None, top_k: int | None = None) -> None:
-    """temperature >= 0 (0 = greedy), top-p in (0, 1], top-k >= 0."""
+def check_sampling(*, temperature: float, top_p: float | None = None, top_k: int | None = None,
+                   repetition_penalty: float | None = None) -> None:
+    """temperature >= 0 (0 = greedy), top-p in (0, 1], top-k >= 0, repetition penalty > 0."""
     at_least(temperature, 0, "temperature")
     in_unit_interval(top_p, "top_p", open_low=True)
     at_least(top_k, 0, "top_k")
+    if repetition_penalty is not None and not repetition_penalty > 0:
+        raise ValueError(f"--repetition-penalty must be > 0 (got {repetition_penalty}; 1 is off)")
 
 
 def check_prompt_text(prompt: str) -> None:
