@@ -22,7 +22,8 @@ from . import __version__
 from .io import prompt_ids
 from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_draft
 from .settings import CORPUS_HELP, RETIME_HELP
-from .training.cli_args import at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling
+from .training.cli_args import (at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling,
+                                in_unit_interval)
 
 
 def format_stats(stats) -> str:
@@ -44,6 +45,7 @@ def check_generate_args(args) -> None:
     at_least(args.max_new_tokens, 1, "max_new_tokens")
     check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    repetition_penalty=args.repetition_penalty)
+    in_unit_interval(args.min_p, "min_p")
     if args.prompt == "-":   # the prompt from standard input (a file, a here-document, a pipe)
         args.prompt = sys.stdin.read()
     check_prompt_text(args.prompt)
@@ -88,7 +90,8 @@ def cmd_generate(args) -> int:
     streamer = None if args.json else TextStreamer(sm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = sm.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
                       temperature=args.temperature if sampling else None, top_p=args.top_p if sampling else None,
-                      top_k=args.top_k if sampling else None, repetition_penalty=args.repetition_penalty,
+                      top_k=args.top_k if sampling else None, min_p=args.min_p if sampling else None,
+                      repetition_penalty=args.repetition_penalty,
                       stop_strings=args.stop, streamer=streamer, generator=gen)
     new = out[0, ids.shape[1]:]
     stats = sm.last_stats
@@ -125,6 +128,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="when sampling, drop tokens below this share of the top token's probability (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty (greedy or sampling; 1 = off; default: the model's generation config)")
     p.add_argument("--seed", type=int, default=0)

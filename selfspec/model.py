@@ -55,7 +55,7 @@ _UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad
               "guidance_scale": 1.0, "diversity_penalty": 0.0, "penalty_alpha": None, "num_beam_groups": 1,
               "dola_layers": None, "force_words_ids": None, "constraints": None, "encoder_repetition_penalty": 1.0,
               "watermarking_config": None, "renormalize_logits": False}
-_UNAPPLIED_SAMPLING = {"typical_p": 1.0, "min_p": 0.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+_UNAPPLIED_SAMPLING = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
 
 
 def _prompt_rows(input_ids, attention_mask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -385,7 +385,7 @@ class SelfSpeculativeModel:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
-                 temperature=None, top_k=None, top_p=None, repetition_penalty=None, eos_token_id=None,
+                 temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, eos_token_id=None,
                  stop_strings=None, tokenizer=None,
                  num_return_sequences=None, num_beams=None, streamer=None, generation_config=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
@@ -439,6 +439,7 @@ class SelfSpeculativeModel:
             temperature=float(pick(temperature, "temperature", 1.0)),
             top_k=int(pick(top_k, "top_k", 0)) if sampling else 0,
             top_p=float(pick(top_p, "top_p", 1.0)) if sampling else 1.0,
+            min_p=float(pick(min_p, "min_p", 0.0)) if sampling else 0.0,
             repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
         )
         eos = pick(eos_token_id, "eos_token_id", None)

@@ -2,7 +2,7 @@
 
 Rejection sampling is lossless for the *processed* target distribution, so temperature, top-k
 and top-p must be applied the same way to p (target) and q (draft). Order as in transformers:
-the repetition penalty, then temperature, then top-k, then top-p.
+the repetition penalty, then temperature, then top-k, then top-p, then min-p.
 
 The repetition penalty (``penalize_repeats``) is applied to the target's logits only, at every tree
 node with the tokens that node's own text holds (the context's and those on its path), as
@@ -24,6 +24,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0          # 0 = off
     top_p: float = 1.0      # 1.0 = off
+    min_p: float = 0.0      # 0.0 = off: tokens below min_p x the top token's probability are dropped
     repetition_penalty: float = 1.0   # 1.0 = off; greedy too
 
     def __post_init__(self):
@@ -36,10 +37,12 @@ class SamplingParams:
                 raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
             if self.top_k < 0:
                 raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+            if not 0 <= self.min_p <= 1:
+                raise ValueError(f"min_p must be in [0, 1] (got {self.min_p})")
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, top-p."""
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, top-p, min-p."""
     logits = logits.float() / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
@@ -53,6 +56,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0:   # the most likely token always survives (min_p <= 1)
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits.softmax(-1)
 
 

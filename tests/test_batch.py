@@ -127,7 +127,7 @@ def test_every_row_matches_transformers_with_a_repetition_penalty(step, one_thre
 def test_generate_reads_the_models_generation_config_and_refuses_what_it_cannot_apply(one_thread):
     """A model whose generation_config.json sets a repetition penalty (as Qwen2.5's instruct models do)
     decodes with it, as transformers' generate does; a setting selfspec does not apply (an n-gram ban, a
-    minimum length, min-p when sampling) is refused in one line, never decoded differently."""
+    minimum length, typical-p when sampling) is refused in one line, never decoded differently."""
     from transformers import GenerationConfig
 
     model = tiny_model("llama")
@@ -143,10 +143,10 @@ def test_generate_reads_the_models_generation_config_and_refuses_what_it_cannot_
         model.generation_config.repetition_penalty = None
     for gc, match in ((GenerationConfig(no_repeat_ngram_size=2), "no_repeat_ngram_size=2"),
                       (GenerationConfig(min_new_tokens=4), "min_new_tokens=4"),
-                      (GenerationConfig(do_sample=True, min_p=0.1), "min_p=0.1")):
+                      (GenerationConfig(do_sample=True, typical_p=0.9), "typical_p=0.9")):
         with pytest.raises(ValueError, match=f"generation config sets {match}, which selfspec does not apply"):
             sm.generate(p, max_new_tokens=4, generation_config=gc)
-    assert sm.generate(p, max_new_tokens=4, generation_config=GenerationConfig(min_p=0.1)).shape[1] == 6 + 4   # greedy
+    assert sm.generate(p, max_new_tokens=4, generation_config=GenerationConfig(typical_p=0.9)).shape[1] == 6 + 4   # greedy
 
 
 def every_drafter(arch: str):

@@ -69,10 +69,11 @@ PARAMS = [
     SamplingParams(do_sample=True, temperature=0.6),
     SamplingParams(do_sample=True, temperature=1.4, top_p=0.8),
     SamplingParams(do_sample=True, temperature=1.0, top_k=3),
+    SamplingParams(do_sample=True, temperature=1.0, min_p=0.3),
 ]
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.6", "t1.4-p0.8", "t1-k3"])
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.6", "t1.4-p0.8", "t1-k3", "t1-minp0.3"])
 def test_chain_rejection_sampling_is_lossless(params):
     P, Q = _toy(0, params)
     gen = torch.Generator().manual_seed(1)

@@ -323,3 +323,23 @@ def test_repetition_penalty_at_each_tree_node_is_transformers_on_that_nodes_text
     # Without a tree every row reads the context alone; ids past the LM head's rows are passed over.
     torch.testing.assert_close(penalize_repeats(logits[:2], context + [40], penalty),
                                processor(torch.tensor([context] * 2), logits[:2].clone()))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (0.8, 0, 0.8, 0.0),
+                                                           (1.0, 0, 1.0, 0.2), (0.6, 20, 0.9, 0.05)])
+def test_sampling_distribution_is_transformers_warpers_in_their_order(temperature, top_k, top_p, min_p):
+    """probs_from_logits is what transformers' generate samples from: its temperature, top-k, top-p and
+    min-p warpers, in the order it applies them, then a softmax (the lossless tests take it as the target's
+    distribution, so it must be transformers' own)."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 4
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + \
+        ([TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
+    expected = logits.clone()
+    for w in warpers:
+        expected = w(None, expected)
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    got = probs_from_logits(logits, params)
+    torch.testing.assert_close(got, expected.softmax(-1))
+    assert ((got > 0).sum(-1) < 300).all() or (top_k == 0 and top_p == 1 and min_p == 0)   # the cuts cut
