@@ -43,6 +43,7 @@ def format_stats(stats) -> str:
 def check_generate_args(args) -> None:
     """Everything about ``selfspec generate``'s flags that can be wrong, checked before torch loads."""
     at_least(args.max_new_tokens, 1, "max_new_tokens")
+    at_least(args.min_new_tokens, 0, "min_new_tokens")
     check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    repetition_penalty=args.repetition_penalty)
     in_unit_interval(args.min_p, "min_p")
@@ -91,7 +92,7 @@ def cmd_generate(args) -> int:
     out = sm.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
                       temperature=args.temperature if sampling else None, top_p=args.top_p if sampling else None,
                       top_k=args.top_k if sampling else None, min_p=args.min_p if sampling else None,
-                      repetition_penalty=args.repetition_penalty,
+                      repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens,
                       stop_strings=args.stop, streamer=streamer, generator=gen)
     new = out[0, ids.shape[1]:]
     stats = sm.last_stats
@@ -122,6 +123,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                    help="the text to continue (with --chat, the user's message); - reads it from standard input")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help="no end of text (EOS) before this many new tokens (default: the model's generation config)")
     p.add_argument("--stop", action="append", default=None, metavar="STRING",
                    help="end the answer at the first token that completes STRING (kept, as transformers' "
                         "stop_strings keep it); repeat for several")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass, field
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -20,7 +20,7 @@ from .backbone import Backbone
 from .budget import VerifyCost, fit_width
 from .cache import KVCache
 from .drafters.base import DecodeState, Draft, Drafter, TargetOut
-from .sampling import SamplingParams, penalize_repeats, probs_from_logits, sample
+from .sampling import SamplingParams, probs_from_logits, sample, target_logits
 from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
 
 if TYPE_CHECKING:
@@ -246,21 +246,21 @@ def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, ca
 
 
 def accept_rows(drafts: list[Draft], outs: list[TargetOut], params: SamplingParams,
-                generator: torch.Generator | None, contexts: Sequence[Sequence[int]] = ()) -> list[Accepted]:
+                generator: torch.Generator | None, rows: Sequence[DecodeState] = (), eos: Collection[int] = ()
+                ) -> list[Accepted]:
     """Each row's accepted path and bonus token: greedy as one batched tensor rule, sampling row by row.
-    ``contexts``: each row's committed tokens (prompt included), which a repetition penalty reads."""
+    ``rows``: each row's state, whose text a repetition penalty reads and whose ``min_length`` bans ``eos``."""
     logits = [o.logits for o in outs]
-    if params.repetition_penalty != 1.0:   # every node's logits, penalised for the tokens of its own text
-        logits = [penalize_repeats(z, c, params.repetition_penalty, d.tokens, d.tree.ancestors)
-                  for z, c, d in zip(logits, contexts, drafts, strict=True)]
+    if params.repetition_penalty != 1.0 or any(s.min_length > len(s.ids) for s in rows):   # (transformers' processors)
+        logits = [target_logits(z, params, s.ids, tokens=d.tokens, tree=d.tree, eos=eos,
+                                eos_until=s.min_length - len(s.ids)) for z, s, d in zip(logits, rows, drafts, strict=True)]
     if not params.do_sample:
         return greedy_accept_rows([d.tree for d in drafts], [d.tokens for d in drafts], [z.argmax(-1) for z in logits])
     return [_sample_accept(d, z, params, generator) for d, z in zip(drafts, logits)]
 
 
-def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None,
-           context: Sequence[int] = ()) -> Accepted:
-    return accept_rows([draft], [out], params, generator, contexts=[context])[0]
+def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torch.Generator | None) -> Accepted:
+    return accept_rows([draft], [out], params, generator)[0]
 
 
 def _sample_accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> Accepted:
@@ -298,6 +298,8 @@ def decode_rows(
     step: StaticStep | None = None,
     cost: VerifyCost | None = None,
     stop: StopStrings | None = None,
+    min_new_tokens: int = 0,
+    min_length: int = 0,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
@@ -309,8 +311,9 @@ def decode_rows(
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``budget.fit_width``; with ``step``, a ``VerifyCost``
     built on that step, which prices its buckets). A row ends at ``max_new_tokens``, at its first EOS or,
-    with ``stop``, at the first token that completes a stop string (both kept). Returns (new tokens per
-    row, stats summed over rows)."""
+    with ``stop``, at the first token that completes a stop string (both kept); not with EOS before
+    ``min_new_tokens`` new tokens, nor before the row's text (prompt included) is ``min_length`` long, as
+    transformers' processors of those names rule. Returns (new tokens per row, stats summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
     _sync(dev)
     t0 = time.perf_counter()
@@ -325,8 +328,8 @@ def decode_rows(
     drafter.use_step(step)
     drafter.use_cost(cost, None if step is None else B)
     drafters = [drafter] + [copy.copy(drafter) for _ in range(B - 1)]
-    states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator)
-              for b, p in enumerate(prompts)]
+    states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator,
+                          min_length=max(min_length, len(p) + min_new_tokens)) for b, p in enumerate(prompts)]
     outs = prefill_rows(backbone, cache, [p.to(dev) for p in prompts], capture=drafter.capture_layers)
     new: list[list[int]] = [[] for _ in range(B)]
     ended = [False] * B
@@ -341,8 +344,7 @@ def decode_rows(
             on_tokens(b, kept)
 
     for b, (s, out) in enumerate(zip(states, outs)):
-        last = out.logits[-1] if params.repetition_penalty == 1.0 else \
-            penalize_repeats(out.logits[-1:], s.ids, params.repetition_penalty)[0]
+        last = target_logits(out.logits[-1:], params, s.ids, eos=eos_token_ids, eos_until=s.min_length - len(s.ids))[0]
         first = int(last.argmax()) if not params.do_sample else int(sample(probs_from_logits(last, params), generator))
         s.ids.append(first)
         emit(b, [first])
@@ -362,7 +364,7 @@ def decode_rows(
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
-        accepted = accept_rows(drafts, outs, params, generator, [s.ids for s in rows])  # ACCEPT
+        accepted = accept_rows(drafts, outs, params, generator, rows, eos_token_ids)  # ACCEPT
         committed = commit_rows(cache, rows, drafts, accepted)                       # COMMIT
         drafter.commit_rows(live_drafters, rows, accepted, outs)                    # (each row's drafter state)
         _sync(dev)

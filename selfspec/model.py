@@ -49,9 +49,8 @@ _IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id"}
 # Generation-config settings that would change transformers' output and that selfspec does not apply, each with
 # the value that leaves the output alone (None, or an empty list, is off too). A model whose generation_config.json
 # sets one is refused, not decoded differently; the second set acts only when sampling.
-_UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0,
-              "min_new_tokens": 0, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-              "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "sequence_bias": None,
+_UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+              "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "sequence_bias": None,
               "guidance_scale": 1.0, "diversity_penalty": 0.0, "penalty_alpha": None, "num_beam_groups": 1,
               "dola_layers": None, "force_words_ids": None, "constraints": None, "encoder_repetition_penalty": 1.0,
               "watermarking_config": None, "renormalize_logits": False}
@@ -386,7 +385,7 @@ class SelfSpeculativeModel:
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
                  temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, eos_token_id=None,
-                 stop_strings=None, tokenizer=None,
+                 min_new_tokens=None, min_length=None, stop_strings=None, tokenizer=None,
                  num_return_sequences=None, num_beams=None, streamer=None, generation_config=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
         """Like transformers' ``generate``; returns (B, prompt + new) ids.
@@ -474,7 +473,9 @@ class SelfSpeculativeModel:
         with self.linears:
             new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
                                      max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                     on_tokens=on_tokens, step=self.step, cost=cost, stop=stop)
+                                     on_tokens=on_tokens, step=self.step, cost=cost, stop=stop,
+                                     min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
+                                     min_length=int(pick(min_length, "min_length", 0)))
         if streamer is not None:
             streamer.end()
         self.last_stats = stats

@@ -12,7 +12,7 @@ penalised logits. A draft needs no penalty for exactness (any q keeps rejection 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +77,25 @@ def penalize_repeats(logits: torch.Tensor, context: Sequence[int], penalty: floa
         node, anc = ancestors.to(logits.device).nonzero(as_tuple=True)
         seen[node, tokens.to(logits.device)[anc]] = True
     return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def target_logits(logits: torch.Tensor, params: SamplingParams, context: Sequence[int], *, tokens=None,
+                  tree=None, eos: Collection[int] = (), eos_until: int = 0) -> torch.Tensor:
+    """(n, V) target logits after each node -> what transformers' logits processors make of them there, before
+    temperature and the cuts: the repetition penalty for the tokens of each node's own text (``context``, the
+    committed tokens, plus its path: ``penalize_repeats``), and the ``eos`` tokens masked at the nodes of
+    depth below ``eos_until`` (min_new_tokens / min_length: the text may not end there). Without a tree
+    (``tokens``, ``tree``), rows read ``context`` alone at depth 0."""
+    if params.repetition_penalty != 1.0:
+        logits = penalize_repeats(logits, context, params.repetition_penalty, tokens,
+                                  None if tree is None else tree.ancestors)
+    if eos_until > 0 and eos:
+        depth = torch.zeros(logits.shape[0], dtype=torch.long) if tree is None else tree.depths
+        banned = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        banned[[t for t in eos if t < logits.shape[-1]]] = True
+        mask = (depth < eos_until)[:, None] & banned[None]
+        logits = logits.float().masked_fill(mask.to(logits.device), float("-inf"))
+    return logits
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

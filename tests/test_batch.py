@@ -126,8 +126,8 @@ def test_every_row_matches_transformers_with_a_repetition_penalty(step, one_thre
 
 def test_generate_reads_the_models_generation_config_and_refuses_what_it_cannot_apply(one_thread):
     """A model whose generation_config.json sets a repetition penalty (as Qwen2.5's instruct models do)
-    decodes with it, as transformers' generate does; a setting selfspec does not apply (an n-gram ban, a
-    minimum length, typical-p when sampling) is refused in one line, never decoded differently."""
+    decodes with it, as transformers' generate does; a setting selfspec does not apply (an n-gram ban,
+    suppressed tokens, typical-p when sampling) is refused in one line, never decoded differently."""
     from transformers import GenerationConfig
 
     model = tiny_model("llama")
@@ -142,7 +142,7 @@ def test_generate_reads_the_models_generation_config_and_refuses_what_it_cannot_
     finally:
         model.generation_config.repetition_penalty = None
     for gc, match in ((GenerationConfig(no_repeat_ngram_size=2), "no_repeat_ngram_size=2"),
-                      (GenerationConfig(min_new_tokens=4), "min_new_tokens=4"),
+                      (GenerationConfig(suppress_tokens=[5]), r"suppress_tokens=\[5\]"),
                       (GenerationConfig(do_sample=True, typical_p=0.9), "typical_p=0.9")):
         with pytest.raises(ValueError, match=f"generation config sets {match}, which selfspec does not apply"):
             sm.generate(p, max_new_tokens=4, generation_config=gc)
@@ -360,6 +360,28 @@ def test_rows_stop_at_stop_strings_where_transformers_stops_them(step, one_threa
                                  generator=None, step=_step(step, bb), stop=stop)
         assert new == expected, f"{drafter.name} ({step}): a row stopped elsewhere than transformers stops it"
         assert stats.new_tokens == sum(len(x) for x in expected)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_rows_hold_back_eos_until_min_new_tokens_as_transformers_does(step, one_thread):
+    """min_new_tokens / min_length: EOS is masked at every tree node whose text is still too short, so every
+    drafter's rows end where transformers' generate ends each prompt alone with the same settings."""
+    model, bb, prompts, _, drafters = every_drafter("llama")
+    long = _alone(model, prompts, 40)
+    eos = {long[1][2], long[3][5]}   # rows would end early; the floors below hold them longer
+    for floors in (dict(min_new_tokens=12), dict(min_length=20)):
+        ref = []
+        for p in prompts:
+            out = model.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=40, do_sample=False,
+                                 eos_token_id=list(eos), pad_token_id=0, **floors)[0, len(p):].tolist()
+            cut = next((i for i, t in enumerate(out) if t in eos), None)
+            ref.append(out if cut is None else out[: cut + 1])
+        bare = [next((r[: i + 1] for i, t in enumerate(r) if t in eos), r) for r in long]
+        assert ref != bare, "not vacuous: the floor keeps some row going past an EOS"
+        for drafter in [d for d in drafters if not isinstance(d, RowOracle)]:
+            new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=40, eos_token_ids=eos,
+                                 generator=None, step=_step(step, bb), **floors)
+            assert new == ref, f"{drafter.name} ({step}, {floors}): a row ended elsewhere than transformers ends it"
 
 
 class ResumingOracle(RowOracle):
@@ -719,7 +741,7 @@ def test_sampling_check_catches_a_penalty_blind_to_the_committed_text(one_thread
 
     model, bb, _, prompts, drafter = _sampling_setup()
     real = sampling.penalize_repeats
-    monkeypatch.setattr(decode_mod, "penalize_repeats",
+    monkeypatch.setattr(sampling, "penalize_repeats",
                         lambda z, context, penalty, *tree: real(z, context if not tree else (), penalty, *tree))
     params = SamplingParams(do_sample=True, temperature=1.0, repetition_penalty=PENALTY)   # no top-p: no impossible cell
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS)

@@ -39,6 +39,7 @@ class DecodeState:
     cache: RowView         # this row of the target's KV cache (cache.KVCache.row)
     params: SamplingParams
     generator: torch.Generator | None
+    min_length: int = 0    # the row may not end (emit EOS) before its text is this long (min_new_tokens, min_length)
 
     @property
     def past_len(self) -> int:
