@@ -571,23 +571,24 @@ V, L, N = 6, 3, 2400
 ROWS = 48   # rows per batch: the loop's per-row work costs less in bigger batches (6.5 ms a row at 8, 3.8 at 48)
 
 
-def _exact(model, prompt, params):
-    """Every L-token continuation's probability under the target, the repetition penalty applied by
-    transformers' own processor (not selfspec's)."""
+def _exact(model, prompt, params, min_new_tokens=0, eos=0):
+    """Every L-token continuation's probability under the target, the repetition penalty and the EOS
+    ban below ``min_new_tokens`` (of token ``eos``) applied by transformers' own processors (not selfspec's)."""
     import itertools
 
-    from transformers import RepetitionPenaltyLogitsProcessor
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
     from selfspec.sampling import probs_from_logits
 
     penalty = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+    floor = MinNewTokensLengthLogitsProcessor(len(prompt), min_new_tokens, eos)
     out = {}
     with torch.no_grad():
         for seq in itertools.product(range(V), repeat=L):
             prob = 1.0
             for i in range(L):
                 ids = torch.tensor([prompt + list(seq[:i])])
-                logits = penalty(ids, model(ids).logits[:, -1])[0]
+                logits = floor(ids, penalty(ids, model(ids).logits[:, -1]))[0]
                 prob *= float(probs_from_logits(logits, params)[seq[i]])
             out[seq] = prob
     return out
@@ -627,14 +628,14 @@ class _OneNode(_CyclingWidths):
         return 2
 
 
-def _batched_counts(bb, drafter, prompts, params, batches, cost=None):
+def _batched_counts(bb, drafter, prompts, params, batches, cost=None, eos=(), min_new_tokens=0):
     """Rows alternate between the prompts (different lengths); counts of each prompt's first L tokens."""
     g = torch.Generator().manual_seed(3)
     counts = [{} for _ in prompts]
     rows = [torch.tensor(prompts[i % len(prompts)]) for i in range(ROWS)]
     for _ in range(batches):
-        new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(), generator=g,
-                             cost=cost)
+        new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(eos), generator=g,
+                             cost=cost, min_new_tokens=min_new_tokens)
         for i, toks in enumerate(new):
             c = counts[i % len(prompts)]
             c[tuple(toks)] = c.get(tuple(toks), 0) + 1
@@ -748,6 +749,35 @@ def test_sampling_check_catches_a_penalty_blind_to_the_committed_text(one_thread
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS)
     stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
     assert any(stat > threshold for stat, threshold in stats)
+
+
+@pytest.mark.parametrize("ban", ["tree", "root-only"])
+def test_sampling_with_min_new_tokens_is_lossless(ban, one_thread, monkeypatch):
+    """Sampled rows whose EOS token may not come within the L tokens keep the distribution transformers'
+    min_new_tokens processor gives the target (EOS masked at every node still too early). Planted bug
+    (root-only): EOS masked at each step's root alone, so a drafted node's bonus may be EOS; the same
+    check must fail."""
+    from selfspec import sampling
+
+    if ban == "root-only":
+        real = sampling.target_logits
+        monkeypatch.setattr(decode_mod, "target_logits", lambda z, params, context, **kw: real(
+            z, params, context, **{**kw, "eos_until": min(kw.get("eos_until", 0), 1)}))
+    model, bb, params, prompts, drafter = _sampling_setup()
+    eos = 0
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, eos=[eos], min_new_tokens=L)
+    exact = [_exact(model, p, params, min_new_tokens=L, eos=eos) for p in prompts]
+    if ban == "tree":
+        for prompt, c, e in zip(prompts, counts, exact):
+            stat, threshold = chi2_check(c, e, N)
+            assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the distribution"
+        unbanned = _exact(model, prompts[0], params)
+        assert sum(q for k, q in unbanned.items() if eos in k) > 0.2, "not vacuous: without the ban EOS is common"
+    else:
+        assert any(eos in k for c in counts for k in c), "the planted bug lets EOS through"
+        with pytest.raises(AssertionError, match="zero target probability"):
+            for c, e in zip(counts, exact):
+                chi2_check(c, e, N)
 
 
 def test_static_mask_matches_the_eager_batch_mask():
