@@ -110,26 +110,31 @@ def calibration(m, rows, a) -> None:
             print(f"| {rank + 1}{'+' if rank == 3 else ''} | {lo:.2f}-{BINS[b]:.2f} | {n} | {q / n:.3f} | {hit / n:.3f} |")
 
 
-def temperature(m, rows, a) -> None:
+def root_steps(m, rows, a):
+    """Sampling the prompts at ``--temperature``: for every step, (p, q): the target's distribution after the
+    root and the head's distribution the root's children were drawn from."""
     from selfspec.sampling import probs_from_logits
 
     seen: list = []
     recording(m.sampled_drafter, seen)
-    sums, steps = collections.Counter(), 0
     torch.manual_seed(a.seed)
     for i, row in enumerate(rows):
         seen.clear()
         m.generate(encode(m, row["prompt"]), max_new_tokens=a.max_new_tokens, do_sample=True,
                    temperature=a.temperature)
         for draft, params, out, _ in seen:
-            q = draft.q[int(draft.q_rows()[1])].float()   # the distribution the root's children were drawn from
-            p = probs_from_logits(out.logits[0], params).float()
-            logq = q.clamp(min=1e-30).log()
-            for c in FACTORS:
-                qc = torch.where(q > 0, (logq / c).softmax(-1), torch.zeros_like(q))
-                sums[c] += float(torch.minimum(p, qc / qc.sum()).sum())
-            steps += 1
+            yield probs_from_logits(out.logits[0], params).float(), draft.q[int(draft.q_rows()[1])].float()
         print(f"prompt {i + 1}/{len(rows)}", file=sys.stderr, flush=True)
+
+
+def temperature(m, rows, a) -> None:
+    sums, steps = collections.Counter(), 0
+    for p, q in root_steps(m, rows, a):
+        logq = q.clamp(min=1e-30).log()
+        for c in FACTORS:
+            qc = torch.where(q > 0, (logq / c).softmax(-1), torch.zeros_like(q))
+            sums[c] += float(torch.minimum(p, qc / qc.sum()).sum())
+        steps += 1
     print(f"{steps} steps at T={a.temperature}\n\n| factor c | first-child acceptance |\n|---|---|")
     for c in FACTORS:
         print(f"| {c} | {sums[c] / max(steps, 1):.4f} |")
@@ -158,24 +163,12 @@ def drawn_acceptance(p: torch.Tensor, q: torch.Tensor, g: torch.Generator) -> li
 
 
 def candidates(m, rows, a) -> None:
-    from selfspec.sampling import probs_from_logits
-
-    seen: list = []
-    recording(m.sampled_drafter, seen)
     drawn, top, steps = torch.zeros(WIDTH), torch.zeros(WIDTH), 0
-    torch.manual_seed(a.seed)
     g = torch.Generator().manual_seed(a.seed + 1)
-    for i, row in enumerate(rows):
-        seen.clear()
-        m.generate(encode(m, row["prompt"]), max_new_tokens=a.max_new_tokens, do_sample=True,
-                   temperature=a.temperature)
-        for draft, params, out, _ in seen:
-            q = draft.q[int(draft.q_rows()[1])].float()   # the distribution the root's children were drawn from
-            p = probs_from_logits(out.logits[0], params).float()
-            top += p[q.topk(WIDTH).indices].cumsum(0)
-            drawn += torch.tensor([drawn_acceptance(p, q, g) for _ in range(SIMULATIONS)], dtype=torch.float).mean(0)
-            steps += 1
-        print(f"prompt {i + 1}/{len(rows)}", file=sys.stderr, flush=True)
+    for p, q in root_steps(m, rows, a):
+        top += p[q.topk(WIDTH).indices].cumsum(0)
+        drawn += torch.tensor([drawn_acceptance(p, q, g) for _ in range(SIMULATIONS)], dtype=torch.float).mean(0)
+        steps += 1
     print(f"{steps} steps at T={a.temperature}\n\n| children k | drawn from q | the head's top k |\n|---|---|---|")
     for k in range(WIDTH):
         print(f"| {k + 1} | {drawn[k] / max(steps, 1):.4f} | {top[k] / max(steps, 1):.4f} |")

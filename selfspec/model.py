@@ -49,8 +49,9 @@ _IGNORED_KWARGS = {"pad_token_id", "use_cache", "bos_token_id"}
 # Generation-config settings that would change transformers' output and that selfspec does not apply, each with
 # the value that leaves the output alone (None, or an empty list, is off too). A model whose generation_config.json
 # sets one is refused, not decoded differently; the second set acts only when sampling.
-_UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
-              "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "sequence_bias": None,
+_UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None,
+              "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+              "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "sequence_bias": None,
               "guidance_scale": 1.0, "diversity_penalty": 0.0, "penalty_alpha": None, "num_beam_groups": 1,
               "dola_layers": None, "force_words_ids": None, "constraints": None, "encoder_repetition_penalty": 1.0,
               "watermarking_config": None, "renormalize_logits": False}
@@ -187,6 +188,7 @@ class SelfSpeculativeModel:
             raise ValueError(f"fit_width must be True or False (got {fit_width!r})")
         self.fit_width = fit_width
         self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
+        self._stops: dict[tuple, tuple] = {}   # (id(tokenizer), strings) -> (tokenizer, its stop rule): _stop_strings
         self._step_costs: dict[tuple, VerifyCost] = {}   # width fitting's prices for the static step, per capture
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
@@ -386,7 +388,8 @@ class SelfSpeculativeModel:
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, do_sample=None,
                  temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, eos_token_id=None,
                  min_new_tokens=None, min_length=None, stop_strings=None, tokenizer=None,
-                 num_return_sequences=None, num_beams=None, streamer=None, generation_config=None, generator: torch.Generator | None = None,
+                 num_return_sequences=None, num_beams=None, streamer=None, generation_config=None,
+                 generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, **kwargs):
         """Like transformers' ``generate``; returns (B, prompt + new) ids.
 
@@ -397,15 +400,18 @@ class SelfSpeculativeModel:
         ``attention_mask``, as transformers 5's ``apply_chat_template`` returns). Rows that finish early are padded on the right with ``pad_token_id``, as
         transformers pads them. Every row's tokens are exactly the plain model's for that prompt
         alone (greedy), or follow its distribution (sampling). Pass ``generator=`` for reproducible
-        sampling. ``stop_strings`` (a string or a list; else the generation config's) ends a row at the
-        first token that completes one, kept, as transformers' ``generate(stop_strings=...,
-        tokenizer=...)`` does; the tokenizer defaults to this model's. Stats, summed over rows, go to
-        ``last_stats``.
+        sampling. It applies, as transformers does, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, ``repetition_penalty``, ``eos_token_id``, ``min_new_tokens``, ``min_length``,
+        ``num_return_sequences`` (sampling) and ``stop_strings``, each read from the generation config where
+        not given; what would change transformers' output and is not applied is refused. ``stop_strings``
+        (a string or a list) ends a row at the first token that completes one, kept, as transformers'
+        ``generate(stop_strings=..., tokenizer=...)`` does; the tokenizer defaults to this model's. Stats,
+        summed over rows, go to ``last_stats``.
         """
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
-            raise ValueError(f"generate() does not support {', '.join(sorted(unknown))}: drop it (selfspec returns the "
-                             "plain model's greedy or sampled output, with temperature, top_k and top_p)")
+            raise ValueError(f"generate() does not support {', '.join(sorted(unknown))}: drop it (help("
+                             "SelfSpeculativeModel.generate) lists what it applies)")
         prompts, input_ids = _prompt_rows(input_ids, attention_mask)
         gc = generation_config if generation_config is not None else self.model.generation_config
         pick = lambda given, attr, default: given if given is not None else (getattr(gc, attr, None) if getattr(gc, attr, None) is not None else default)  # noqa: E731
@@ -443,8 +449,8 @@ class SelfSpeculativeModel:
         )
         eos = pick(eos_token_id, "eos_token_id", None)
         eos_ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
-        strings = pick(stop_strings, "stop_strings", None)
-        stop = StopStrings(tokenizer if tokenizer is not None else self.tokenizer, strings) if strings else None
+        stop = self._stop_strings(tokenizer if tokenizer is not None else self.tokenizer,
+                                  pick(stop_strings, "stop_strings", None))
 
         window = self.backbone.sliding_window
         longest = max(int(p.shape[0]) for p in prompts)
@@ -483,6 +489,16 @@ class SelfSpeculativeModel:
         tail = torch.tensor([x + [pad] * (width - len(x)) for x in new], device=dev, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids.to(dev), tail], dim=1)
         return GenerateOutput(sequences=sequences, stats=stats) if return_dict_in_generate else sequences
+
+    def _stop_strings(self, tokenizer, strings) -> StopStrings | None:
+        """The stop rule for ``strings`` (None where none are given), built once per tokenizer and strings:
+        building one reads the whole vocabulary (70-190 ms for the demo model's)."""
+        if not strings:
+            return None
+        key = (id(tokenizer), (strings,) if isinstance(strings, str) else tuple(strings))
+        if key not in self._stops:   # the tokenizer kept beside its rule, so that its id is never reused
+            self._stops[key] = (tokenizer, StopStrings(tokenizer, strings))
+        return self._stops[key][1]
 
     def tune_layouts(self, batch: int = 1, prefill_rows: int | None = None) -> None:
         """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),

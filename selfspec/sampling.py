@@ -90,11 +90,11 @@ def target_logits(logits: torch.Tensor, params: SamplingParams, context: Sequenc
         logits = penalize_repeats(logits, context, params.repetition_penalty, tokens,
                                   None if tree is None else tree.ancestors)
     if eos_until > 0 and eos:
-        depth = torch.zeros(logits.shape[0], dtype=torch.long) if tree is None else tree.depths
-        banned = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        dev = logits.device
+        depth = torch.zeros(logits.shape[0], dtype=torch.long, device=dev) if tree is None else tree.depths.to(dev)
+        banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev)
         banned[[t for t in eos if t < logits.shape[-1]]] = True
-        mask = (depth < eos_until)[:, None] & banned[None]
-        logits = logits.float().masked_fill(mask.to(logits.device), float("-inf"))
+        logits = logits.float().masked_fill((depth < eos_until)[:, None] & banned[None], float("-inf"))
     return logits
 
 
