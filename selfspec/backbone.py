@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 
 import torch
-from .projection import Projection
+from torch.nn import functional as F
 
 # Families whose decoder is embed -> layers -> norm -> lm_head with rotary embeddings shared by
 # all layers, and whose layers take (hidden, attention_mask, position_ids, cache (past_key_values before
@@ -58,7 +58,6 @@ class Backbone:
         self.cache_arg = cache_argument(self.layers[0])   # every layer of a model is one class
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
-        self.head = Projection(self.lm_head.weight, self.lm_head.bias)  # layout timed per row count
         self.sliding_window = self._sliding_window(config)
 
     @staticmethod
@@ -128,8 +127,8 @@ class Backbone:
         return self.norm(hidden)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """(..., H) final-normed states -> (..., V) logits, in the layout measured fastest (projection.py)."""
-        return self.head(normed)
+        """(..., H) final-normed states -> (..., V) logits."""
+        return F.linear(normed, self.lm_head.weight, self.lm_head.bias)
 
 
 def cache_argument(layer: torch.nn.Module) -> str:

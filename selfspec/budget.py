@@ -41,9 +41,8 @@ confident tree grow to its depth. Like the cut, it never changes what acceptance
 sampling it reads only the scores a node has before its token is drawn (rank scores, below).
 
 The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
-and the widest, once per machine and model at the batch sizes met (kept for later processes by
-``timings.py``; the bench does it before timing anything, as it does the product layouts), then what
-decoding's own steps measure. A width is measured only when chosen, so every ``EXPLORE_EVERY``-th
+and the widest, once per process and model at the batch sizes met (under a second for the demo
+model; the bench does it before timing anything), then what decoding's own steps measure. A width is measured only when chosen, so every ``EXPLORE_EVERY``-th
 step at a row count verifies one width wider or narrower than the best (alternately): an estimate
 spoiled by a load spike is measured again, and the choice can climb to a wider optimum that the prior
 hid.
@@ -60,11 +59,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import timings
-from .backbone import Backbone, config_fingerprint
+from .backbone import Backbone
 from .cache import KVCache
 from .drafters.base import Draft, prior_path_p
-from .projection import packing_works
 from .static import BUCKETS, bucket
 from .tree import subtree, tree_from_parents
 
@@ -177,6 +174,10 @@ class VerifyCost:
         self._met: set[tuple[int, int]] = set()              # (rows, width) pairs whose first step was seen
         self._steps: dict[int, int] = {}                     # rows -> widths chosen so far
 
+    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]:
+        """Every row's draft cut to the width this step's pass is worth (``fit_width``)."""
+        return fit_width(drafts, self, widest, rows)
+
     @property
     def observed(self) -> dict[tuple[int, int], float]:
         """(rows, width) -> the estimate of a real step's seconds, for every pair seen."""
@@ -253,14 +254,6 @@ class VerifyCost:
         if self.step is not None:
             return self._time_step(rows, width)
         widths = sorted({w for w in self.widths if w < width} | {width})
-        key = None
-        if dev.type == "cpu":   # kept for later processes on this machine (timings.py)
-            key = (f"verify|{config_fingerprint(bb.model.config)}|{str(bb.dtype).removeprefix('torch.')}"
-                   f"|threads={torch.get_num_threads()}|context={self.context}|sweeps={self.sweeps}|rows={rows}"
-                   f"|widths={','.join(map(str, widths))}|packed={int(packing_works(bb.dtype))}")
-            kept = timings.get(key)
-            if isinstance(kept, list) and sorted(int(w) for w, _ in kept) == widths:
-                return {int(w): float(t) for w, t in kept}
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, bb.vocab_size, (self.context,), generator=gen).to(dev) for _ in range(rows)]
         cache = KVCache(rows)
@@ -281,10 +274,7 @@ class VerifyCost:
                 _sync(dev)
                 seconds[w].append(time.perf_counter() - t)
                 cache.keep(pasts, empty)
-        out = {w: statistics.median(s) for w, s in seconds.items()}
-        if key is not None:
-            timings.put(key, [[w, t] for w, t in out.items()])
-        return out
+        return {w: statistics.median(s) for w, s in seconds.items()}
 
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .heads import read_heads_config
+from .heads import read_heads_config, recorded_devices, recorded_search
 from .io import atomic_write_text, counted
 from .settings import SETTING_KEYS
 
@@ -224,7 +224,6 @@ def _settings_lines(ckpt: Path, decode) -> list[str]:
     """The tune-tree sections: for the CPU (the decode section's top level), then for each other kind of
     device it timed the heads on (``decode.devices``), greedy and sampled."""
     from .settings import HOME_DEVICE
-    from .training.tune import recorded_devices, recorded_search
 
     lines = []
     for device in dict.fromkeys((HOME_DEVICE, *recorded_devices(ckpt), *decode.measured_devices())):

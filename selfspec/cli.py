@@ -21,7 +21,7 @@ from typing import Callable
 from . import __version__
 from .io import prompt_ids
 from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_draft
-from .settings import CORPUS_HELP, RETIME_HELP
+from .settings import CORPUS_HELP
 from .training.cli_args import (at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling,
                                 in_unit_interval)
 
@@ -75,10 +75,7 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from . import timings
     from .model import SelfSpeculativeModel
-
-    timings.retime(args.retime)
 
     heads = args.heads
     sm = SelfSpeculativeModel.from_pretrained(args.model, drafter=args.drafter, heads=heads, draft_model=draft_model,
@@ -139,10 +136,9 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
     p.add_argument("--compile", action="store_true",
                    help="verify through a compiled static-shape step (for GPUs, over long or many generations: the "
-                        "first steps compile; on a CPU eager decoding with packed products is faster)")
+                        "first steps compile)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--retime", action="store_true", help=RETIME_HELP)
     p.set_defaults(func=cmd_generate)
 
 
@@ -214,7 +210,8 @@ def cmd_build_corpus(args) -> int:
         raise ValueError("--data needs at least one gen-data directory")
 
     from .backbone import config_fingerprint
-    from .corpus import Corpus, answers_from_data
+    from .corpus import Corpus
+    from .training.data import answers_from_data
     from .loading import check_model_name, model_config
     from .training.data import read_meta
 

@@ -190,17 +190,3 @@ def load_corpus(directory: str | os.PathLike, *, fingerprint: str) -> Corpus:
     if stored.dtype == np.uint16:
         tokens[stored == _U16_SEPARATOR] = SEPARATOR
     return Corpus(tokens, config)
-
-
-def answers_from_data(data) -> tuple[list[list[int]], list[dict]]:
-    """The response tokens of ``selfspec gen-data`` directories (comma list or list), and per source a
-    record of what it gave."""
-    from .training.data import data_sources, load_distillation_data
-
-    answers, sources = [], []
-    for path, cap in data_sources(data):
-        ds = load_distillation_data(f"{path}@{cap}" if cap is not None else str(path))
-        rows = [r["input_ids"][r["response_start"]: r["response_start"] + r["n_response"]] for r in ds]
-        answers += rows
-        sources.append({"path": str(path), "sequences": len(rows), "tokens": sum(len(r) for r in rows)})
-    return answers, sources

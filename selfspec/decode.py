@@ -11,21 +11,39 @@ import copy
 import time
 from dataclasses import asdict, dataclass, field
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from . import cache as kv
 from .backbone import Backbone
-from .budget import VerifyCost, fit_width
 from .cache import KVCache
 from .drafters.base import DecodeState, Draft, Drafter, TargetOut
 from .sampling import SamplingParams, probs_from_logits, sample, target_logits
 from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
 
 if TYPE_CHECKING:
-    from .step import StaticStep
     from .stopping import StopStrings   # a rule over token ids; the loop never sees the tokenizer
+
+
+class WidthFit(Protocol):
+    """The seam through which a runtime cuts each step's trees to what its pass is worth on this machine
+    (``budget.VerifyCost``). A cut keeps the root and never widens a tree, so output stays exact."""
+
+    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]: ...
+
+    def observe(self, rows: int, width: int, seconds: float) -> None: ...
+
+
+class VerifyStep(Protocol):
+    """The seam through which a runtime runs verification at static shapes (``step.StaticStep``)."""
+
+    storage: object   # hands the step's cache buffers back after a decode (``release``)
+
+    def new_cache(self, batch: int, positions: int) -> KVCache: ...
+
+    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
+               rows: list[int], capture: tuple[int, ...] = ()) -> list[TargetOut]: ...
 
 
 @dataclass
@@ -295,8 +313,8 @@ def decode_rows(
     eos_token_ids: set[int],
     generator: torch.Generator | None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    step: StaticStep | None = None,
-    cost: VerifyCost | None = None,
+    step: VerifyStep | None = None,
+    cost: WidthFit | None = None,
     stop: StopStrings | None = None,
     min_new_tokens: int = 0,
     min_length: int = 0,
@@ -309,7 +327,7 @@ def decode_rows(
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
-    are cut to the width the step's pass is worth (``budget.fit_width``; with ``step``, a ``VerifyCost``
+    are cut to the width the step's pass is worth (``cost.fit``; with ``step``, a ``VerifyCost``
     built on that step, which prices its buckets). A row ends at ``max_new_tokens``, at its first EOS or,
     with ``stop``, at the first token that completes a stop string (both kept); not with EOS before
     ``min_new_tokens`` new tokens, nor before the row's text (prompt included) is ``min_length`` long, as
@@ -360,7 +378,7 @@ def decode_rows(
         t1 = time.perf_counter()
         drafts = drafter.draft_rows(live_drafters, rows)                            # DRAFT
         if cost is not None:                                                        # (the width worth verifying)
-            drafts = fit_width(drafts, cost, drafter.max_nodes, rows=None if step is None else B)
+            drafts = cost.fit(drafts, drafter.max_nodes, rows=None if step is None else B)
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
@@ -389,7 +407,7 @@ def decode_rows(
 
 def decode(backbone: Backbone, drafter: Drafter, prompt: torch.Tensor, *, params: SamplingParams, max_new_tokens: int,
            eos_token_ids: set[int], generator: torch.Generator | None,
-           on_tokens: Callable[[list[int]], None] | None = None, cost: VerifyCost | None = None,
+           on_tokens: Callable[[list[int]], None] | None = None, cost: WidthFit | None = None,
            stop: StopStrings | None = None) -> tuple[list[int], DecodeStats]:
     """One prompt (n,): ``decode_rows`` with a batch of one. Returns (new tokens, stats)."""
     rows, stats = decode_rows(backbone, drafter, [prompt], params=params, max_new_tokens=max_new_tokens,

@@ -35,7 +35,7 @@ from torch import nn
 from . import __version__
 from .backbone import cache_argument
 from .io import atomic_path, atomic_write_text
-from .settings import DecodeSettings
+from .settings import HOME_DEVICE, DecodeSettings, is_device_type
 
 KINDS = ("medusa", "early-exit", "eagle")
 
@@ -255,8 +255,49 @@ def check_safetensors(path: Path) -> None:
                          "retrain the heads")
 
 
+SEARCH_FILE = "tune-tree.json"
+SAMPLED_SEARCH_FILE = "tune-tree-sampled.json"   # ``--temperature``: the timings behind ``decode.sampled``
+
+
+def search_file(*, sampled: bool = False, device: str = HOME_DEVICE) -> str:
+    """Where a heads directory keeps the timings behind its settings for one mode and kind of device:
+    tune-tree.json / tune-tree-sampled.json for the CPU's, tune-tree-cuda.json / tune-tree-cuda-sampled.json
+    for a GPU's."""
+    if device == HOME_DEVICE:
+        return SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE
+    return f"tune-tree-{device}{'-sampled' if sampled else ''}.json"
+
+
+def recorded_devices(heads_dir) -> tuple[str, ...]:
+    """The kinds of device tune-tree timed these heads on (the CPU first), from the record files present."""
+    found = set()
+    for path in Path(heads_dir).glob("tune-tree*.json"):   # search_file's names: tune-tree[-DEVICE][-sampled].json
+        parts = path.stem.split("-")[2:]
+        parts = parts[:-1] if parts and parts[-1] == "sampled" else parts
+        kind = HOME_DEVICE if not parts else parts[0] if len(parts) == 1 and is_device_type(parts[0]) else None
+        if kind:
+            found.add(kind)
+    return tuple(sorted(found, key=lambda k: (k != HOME_DEVICE, k)))
+
+
+def recorded_search(heads_dir, *, sampled: bool = False, device: str = HOME_DEVICE) -> dict | None:
+    """The candidates the last tune-tree run on this kind of device timed for these heads, greedy or
+    (``sampled``) at a temperature (heads tuned before selfspec 0.2 keep the CPU's greedy ones in their
+    provenance), or None."""
+    path = Path(heads_dir) / search_file(sampled=sampled, device=device)
+    if path.is_file():
+        try:
+            search = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            search = None
+        if not isinstance(search, dict):
+            raise ValueError(f"{path} is not a tune-tree record (corrupt JSON): delete it and run `selfspec tune-tree` again")
+        return search
+    return None if sampled or device != HOME_DEVICE else read_heads_config(heads_dir).provenance.get("tree_search")
+
+
 # What a heads directory holds (and all a hub download of one fetches).
-# tune-tree*.json: the timings behind the decode settings, per mode and device (training/tune.py: search_file).
+# tune-tree*.json: the timings behind the decode settings, per mode and device (search_file).
 HEADS_FILES = ("config.json", "model.safetensors", "README.md", "tune-tree*.json")
 
 
@@ -282,8 +323,6 @@ def heads_directory(heads: str | os.PathLike) -> Path:
 
 
 def _read_eagle3(directory: Path, raw: dict, expect_kind: str | None) -> HeadsConfig:
-    from .export.eagle3 import imported_config
-
     if expect_kind is not None and expect_kind != "eagle":
         raise _Refused(f"{directory} holds an EAGLE-3 draft, but the drafter is {expect_kind!r}: pass --drafter eagle")
     try:
@@ -313,8 +352,6 @@ def read_heads_config(directory: str | os.PathLike, *, expect_kind: str | None =
         raw = json.loads(cfg_path.read_text())
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-        from .export.eagle3 import is_eagle3
-
         if is_eagle3(raw):   # an EAGLE-3 draft exported by selfspec or trained elsewhere (SGLang / speculators layout)
             return _read_eagle3(directory, raw, expect_kind)
         raw = _migrated(raw)
@@ -343,8 +380,6 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
     config = read_heads_config(directory, expect_kind=expect_kind)
     imported = "imported_from" in config.provenance   # an EAGLE-3 directory: no fingerprint, its shapes are checked instead
     if imported:
-        from .export.eagle3 import check_against_target
-
         if model is None:
             raise ValueError(f"{directory} is an EAGLE-3 draft: pass model= (the target) to load it")
         check_against_target(config, model.config, str(directory))
@@ -359,8 +394,6 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
         raise ValueError(f"{directory}/model.safetensors could not be read ({type(e).__name__}): copy the heads "
                          "again or retrain them") from None
     if imported:
-        from .export.eagle3 import imported_tensors
-
         tensors, draft_vocab = imported_tensors(tensors, config)
     else:
         draft_vocab = tensors.pop("draft_vocab", None)
@@ -388,3 +421,112 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
     if draft_vocab is not None:
         draft_vocab = draft_vocab.to(device)
     return Heads(config=config, module=module, draft_vocab=draft_vocab)
+
+
+# ------------------------------------------------------------------- EAGLE-3 directories (SGLang / speculators layouts)
+
+SGLANG_ARCH = "LlamaForCausalLMEagle3"   # SGLang's architecture name for an EAGLE-3 draft
+# Where an EAGLE-3 file keeps the head's one decoder layer, by layout.
+LAYER_PREFIX = {"eagle3-sglang": "midlayer.", "eagle3-speculators": "layers.0."}
+
+
+def is_eagle3(raw: dict) -> bool:
+    """A config.json written for an EAGLE-3 draft, in either layout."""
+    return SGLANG_ARCH in (raw.get("architectures") or []) or raw.get("speculators_model_type") == "eagle3"
+
+
+def imported_config(raw: dict, *, where: str) -> HeadsConfig:
+    """selfspec's view of an EAGLE-3 ``config.json`` (either layout). The base model is unknown until a
+    target is at hand: ``base_fingerprint`` is empty and :func:`check_against_target` checks the shapes.
+    ``aux_layers`` is empty where the file names none (the engines' default, filled in at load)."""
+    layer = raw.get("transformer_layer_config") or raw
+    why = unsupported(raw, layer)
+    if why:
+        raise ValueError(f"{where} is an EAGLE-3 draft selfspec cannot run: {why}; selfspec runs one-layer EAGLE-3 "
+                         "drafts (SiLU MLP, no biases), as `selfspec train-heads --kind eagle` trains them")
+    try:
+        hidden = int(raw.get("target_hidden_size") or layer["hidden_size"])
+        if int(layer["hidden_size"]) != hidden:
+            raise ValueError(f"its layer width {layer['hidden_size']} differs from the target's {hidden}, which "
+                             "selfspec's eagle head does not support")
+        heads = int(layer["num_attention_heads"])
+        aux = imported_aux_layers(raw)
+        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
+        return HeadsConfig(
+            kind="eagle", base_model=verifier, base_fingerprint="", hidden_size=hidden,
+            vocab_size=int(layer["vocab_size"]), intermediate_size=int(layer["intermediate_size"]),
+            aux_layers=[int(a) for a in aux], attn_heads=heads,
+            kv_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or hidden // heads), rms_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            shared_lm_head=False, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size")
+                                                       or layer["vocab_size"]),
+            norm_before_residual=bool(raw.get("norm_before_residual")),
+            feature_norm="concat" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "",
+            norm_output=bool(raw.get("norm_output")),
+            decode=DecodeSettings(), provenance={"imported_from": where, "layout": layout_of(raw)},
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}/config.json is an EAGLE-3 config selfspec cannot read ({e}): export it again") from None
+
+
+def unsupported(raw: dict, layer: dict) -> str | None:
+    """What in an EAGLE-3 config selfspec's one-layer head cannot be, or None."""
+    try:
+        layers = int(layer.get("num_hidden_layers") or 1)
+    except (TypeError, ValueError):
+        return None          # a malformed config: imported_config says so
+    if layers != 1:
+        return f"it has {layers} decoder layers"
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            return f"its layer sets {key}"
+    if layer.get("hidden_act", "silu") != "silu":
+        return f"its MLP uses {layer['hidden_act']!r}"
+    if raw.get("norm_before_fc") and raw.get("fc_norm"):
+        return "it sets both norm_before_fc and fc_norm, which exclude each other"
+    return None
+
+
+def imported_aux_layers(raw: dict) -> list[int]:
+    """selfspec's aux layers from an EAGLE-3 config: an SGLang layout's nested ids (SGLang's counting, +1),
+    else the top-level ids (vLLM's counting, as written), else [] (the engines' default)."""
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested and layout_of(raw) == "eagle3-sglang":
+        return [int(k) + 1 for k in nested]
+    return [int(a) for a in raw.get("eagle_aux_hidden_state_layer_ids") or []]
+
+
+def layout_of(raw: dict) -> str:
+    return "eagle3-speculators" if raw.get("speculators_model_type") == "eagle3" else "eagle3-sglang"
+
+
+def imported_tensors(tensors: dict[str, torch.Tensor], config: HeadsConfig) -> tuple[dict, torch.Tensor | None]:
+    """(the module's state dict under selfspec's names, draft vocabulary or None) from an EAGLE-3 file."""
+    out, d2t = {}, tensors.get("d2t")
+    for name, t in tensors.items():
+        if name in ("d2t", "t2d") or name.startswith("embed_tokens."):   # the embedding is the target's
+            continue
+        for prefix in LAYER_PREFIX.values():
+            if name.startswith(prefix):
+                name = "midlayer." + name.removeprefix(prefix)
+        out[name] = t
+    draft_vocab = None
+    if d2t is not None and config.draft_vocab_size != config.vocab_size:
+        draft_vocab = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
+    return out, draft_vocab
+
+
+def check_against_target(config: HeadsConfig, target_config, where: str) -> None:
+    """Imported heads carry no fingerprint: check the shapes they need from the target, fill in default aux layers."""
+    from .models.eagle import default_aux_layers
+
+    n = target_config.num_hidden_layers
+    if config.hidden_size != target_config.hidden_size or config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"{where} drafts for a model with hidden size {config.hidden_size} and vocabulary "
+                         f"{config.vocab_size}, not this one ({target_config.hidden_size}, {target_config.vocab_size}): "
+                         "pass heads trained for this model")
+    if not config.aux_layers:
+        config.aux_layers = default_aux_layers(n)
+    if not all(0 < a < n for a in config.aux_layers):
+        raise ValueError(f"{where} reads aux layers {config.aux_layers}, but this model has {n} layers: pass heads "
+                         "trained for this model")

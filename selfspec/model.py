@@ -13,25 +13,21 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import timings
 from .backbone import Backbone, config_fingerprint
 from .budget import VerifyCost, verify_cost
 from .corpus import Corpus, load_corpus, read_corpus_config
 from .decode import DecodeStats, decode_rows
 from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
                        check_drafter_name)
-from .drafters.base import draft_dtype, drafting_modules
-from .drafters.eagle import parse_dynamic_tree
+
 from .heads import Heads, HeadsConfig, build_heads, head_widths, heads_in_dtype, load_heads, read_heads_config, save_heads
 from .models.eagle import default_aux_layers, init_from_target
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
-from .projection import FewRowLinears, few_row_linears
 from .sampling import SamplingParams
 from .step import StaticStep
 from .stopping import StopStrings
@@ -39,7 +35,7 @@ from .shipped import (HEADS_DRAFTERS, LOOKUP_DRAFTERS, auto_sampled_drafter, def
                       shipped_draft, shipped_heads)
 from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
                        DrafterSettings, check_settings, default_exit_layer, resolve_settings)
-from .tree import build_tree, parse_tree
+from .tree import build_tree, parse_dynamic_tree, parse_tree
 from .tuned_pairs import pair_decode
 
 log = logging.getLogger(__name__)
@@ -148,20 +144,6 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
                  draft_vocab=None if draft_vocab is None else draft_vocab.to(p.device))
 
 
-def tune_layouts(backbone: Backbone, drafter, linears, *, batch: int = 1, prefill_rows: int | None = None) -> None:
-    """Time every layout that ``drafter``'s decoding of ``batch`` rows under ``linears`` can meet: the
-    LM head's up to every row's tree, the drafter's own projection, the rerouted layers' products (up
-    to the larger of a batch of trees and ``prefill_rows``, the most rows a prefill will run, where
-    the caller knows it; else every row count they reroute)."""
-    if batch < 1:
-        raise ValueError(f"batch={batch}: layouts are timed for batches of at least one row")
-    for proj in (backbone.head, getattr(drafter, "project", None)):
-        if proj is not None:
-            proj.tune(batch * drafter.max_nodes)
-    if isinstance(linears, FewRowLinears):
-        linears.tune(None if prefill_rows is None else max(prefill_rows, batch * drafter.max_nodes))
-
-
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
@@ -187,7 +169,7 @@ class SelfSpeculativeModel:
         if not isinstance(fit_width, bool):
             raise ValueError(f"fit_width must be True or False (got {fit_width!r})")
         self.fit_width = fit_width
-        self._tuned_batches: set[int] = set()   # batch sizes whose layouts and step costs are timed (tune_layouts)
+        self._timed_batches: set[int] = set()   # batch sizes whose step costs are timed (time_costs)
         self._stops: dict[tuple, tuple] = {}   # (id(tokenizer), strings) -> (tokenizer, its stop rule): _stop_strings
         self._step_costs: dict[tuple, VerifyCost] = {}   # width fitting's prices for the static step, per capture
         decode = heads.config.decode if heads is not None else None
@@ -209,10 +191,6 @@ class SelfSpeculativeModel:
         self.sampled_drafter = self.drafter if sampled_drafter is None and self.sampled_settings == self.settings \
             else self._make_drafter(self.sampled_name, sampled_heads, self.sampled_settings, draft_model=draft_model,
                                     exit_layer=exit_layer)
-        # Few-row products of the target's (and the drafters') layers in their fastest layout on CPU
-        # (projection.py); compiled steps are left to torch.compile.
-        self.linears = nullcontext() if self.step is not None else \
-            few_row_linears(model, *drafting_modules(self.drafters()))
 
     def _make_drafter(self, name: str, heads: Heads | None, st: DrafterSettings, *, draft_model,
                       exit_layer: int | None):
@@ -222,7 +200,7 @@ class SelfSpeculativeModel:
         if name == "eagle":
             key = id(heads)
             if key not in self._drafting_heads:
-                self._drafting_heads[key] = heads_in_dtype(heads, draft_dtype(self.backbone.device, self.backbone.dtype))
+                self._drafting_heads[key] = heads_in_dtype(heads, self.backbone.dtype)
             heads = self._drafting_heads[key]
         if name == "none":
             return NoDrafter(self.backbone.device)
@@ -328,8 +306,6 @@ class SelfSpeculativeModel:
                 raise ValueError("drafter='draft-model' needs draft_model= (a model directory, .gguf, or hub id)")
             if isinstance(draft_model, (str, os.PathLike)):
                 draft = load_model(str(draft_model), dtype=dtype, device=device).model
-                w = draft.get_output_embeddings().weight
-                draft.to(draft_dtype(w.device, w.dtype))   # ours alone: converted here, not copied by the drafter
             else:
                 draft = draft_model
         elif heads is not None or draft_model is not None:
@@ -471,17 +447,14 @@ class SelfSpeculativeModel:
             self.step.reserve(longest + int(max_new))
         drafter = self.drafter_for(sampling)
         cost = self._cost(len(prompts), drafter)
-        if cost is not None and len(prompts) not in self._tuned_batches:
-            # Time the product layouts and the pass's cost prior now, not inside the steps whose times the
-            # fitting learns from (a step that timed a layout would look slow, and its width never be tried again).
-            # A later call's longer prefill times its own row counts when it runs, outside the steps.
-            self.tune_layouts(len(prompts), prefill_rows=len(prompts) * longest)
-        with self.linears:
-            new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
-                                     max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                     on_tokens=on_tokens, step=self.step, cost=cost, stop=stop,
-                                     min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
-                                     min_length=int(pick(min_length, "min_length", 0)))
+        if cost is not None and len(prompts) not in self._timed_batches:
+            # Time the pass's cost prior now, not inside the steps whose times the fitting learns from.
+            self.time_costs(len(prompts))
+        new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
+                                 max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
+                                 on_tokens=on_tokens, step=self.step, cost=cost, stop=stop,
+                                 min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
+                                 min_length=int(pick(min_length, "min_length", 0)))
         if streamer is not None:
             streamer.end()
         self.last_stats = stats
@@ -500,22 +473,16 @@ class SelfSpeculativeModel:
             self._stops[key] = (tokenizer, StopStrings(tokenizer, strings))
         return self._stops[key][1]
 
-    def tune_layouts(self, batch: int = 1, prefill_rows: int | None = None) -> None:
-        """Time now every product layout that decoding batches of ``batch`` rows can meet (projection.py),
-        and the verification pass's cost at every row count up to ``batch`` (budget.py), so that
-        no later call pays for it; decoding otherwise times each on first use. ``prefill_rows``: the
-        most rows a prefill will run (batch times the longest prompt), where the caller knows it;
-        None times every row count a prefill can be rerouted at. What an earlier process on this
-        machine timed is read back instead, and what this one times is kept (timings.py)."""
-        for drafter in self.drafters():
-            tune_layouts(self.backbone, drafter, self.linears, batch=batch, prefill_rows=prefill_rows)
-        self._tuned_batches.update(range(1, batch + 1) if self.step is None else (batch,))
+    def time_costs(self, batch: int = 1) -> None:
+        """Time now the verification pass's cost at every row count up to ``batch`` (width fitting's prior,
+        budget.py), so that no later call pays for it; decoding otherwise times it on first use."""
+        if batch < 1:
+            raise ValueError(f"batch={batch}: costs are timed for batches of at least one row")
+        self._timed_batches.update(range(1, batch + 1) if self.step is None else (batch,))
         costs = {id(c): c for c in (self._cost(batch, d) for d in self.drafters()) if c is not None}
-        with self.linears:   # a static step always runs all ``batch`` rows
-            for cost in costs.values():
-                for rows in (batch,) if self.step is not None else range(1, batch + 1):
-                    cost.table(rows, self.max_nodes)
-        timings.flush()
+        for cost in costs.values():   # a static step always runs all ``batch`` rows
+            for rows in (batch,) if self.step is not None else range(1, batch + 1):
+                cost.table(rows, self.max_nodes)
 
     def _cost(self, rows: int, drafter) -> VerifyCost | None:
         """What prices ``drafter``'s verification passes of a batch for width fitting; None where it does not apply."""

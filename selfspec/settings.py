@@ -25,8 +25,6 @@ DEFAULT_CHAIN_TREE = "chain-4"   # early exit and the draft model: a chain of 4
 # the lookup over the target's greedy answers: docs/results/README.md).
 CORPUS_MIN_NGRAM, CORPUS_MAX_NGRAM = 2, 4
 CORPUS_MIN_COUNT, CORPUS_MIN_SHARE = 2, 0.5
-RETIME_HELP = ("time this machine's product layouts and verification costs afresh instead of reading what an "
-               "earlier run kept under $SELFSPEC_HOME/timings (e.g. if that run shared the machine with other work)")
 CORPUS_HELP = ("lookup / medusa / eagle: where the context has no match, the lookup proposes what followed in the "
                "target's own earlier answers: a directory from `selfspec build-corpus`; auto = the one shipped for "
                "the demo model, none = off. Output is unchanged")
@@ -215,6 +213,14 @@ DRAFTER_SETTINGS: dict[str, DrafterSettings] = {
     "draft-model": DrafterSettings(tree=DEFAULT_CHAIN_TREE, threshold=0.0),
 }
 
+
+
+def check_drafter_name(name: str) -> str:
+    if name not in DRAFTER_SETTINGS:
+        raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(DRAFTER_SETTINGS)}")
+    return name
+
+
 SETTING_KEYS = ("tree", "threshold", "gate", "lookup")
 # What each setting does, for --help (the generate flags and bench's per-method flags alike).
 SETTING_HELP = {
@@ -255,8 +261,7 @@ def _checked(value, key: str, kind: type):
 
 def _check_tree(drafter: str, tree) -> None:
     # Imported here: this module stays free of torch, so the CLI checks flags before loading it.
-    from .drafters.eagle import parse_dynamic_tree
-    from .tree import parse_tree
+    from .tree import parse_dynamic_tree, parse_tree
 
     if drafter == "eagle":
         parse_dynamic_tree(tree)
@@ -267,8 +272,6 @@ def _check_tree(drafter: str, tree) -> None:
 def check_settings(drafter: str, *, tree="auto", threshold="auto", gate="auto", lookup="auto") -> None:
     """Refuse, before any model loads, settings that ``drafter`` does not take or that cannot be
     parsed: a malformed tree, a threshold outside [0, 1], a negative gate or lookup."""
-    from .drafters import check_drafter_name
-
     check_drafter_name(drafter)
     declared = DRAFTER_SETTINGS[drafter]
     given = {"threshold": threshold, "gate": gate, "lookup": lookup}

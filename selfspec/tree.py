@@ -235,3 +235,27 @@ def parse_tree(spec, *, default: tuple[Path, ...]) -> tuple[Path, ...]:
             pass
         raise ValueError(f"unknown tree {spec!r}: use 'auto', 'chain-K', 'chain-K-wW' or a list of paths")
     return tuple(tuple(p) for p in spec)
+
+
+def check_dynamic_tree(depth: int, expand: int, nodes: int) -> tuple[int, int, int]:
+    for name, v in (("depth", depth), ("expand", expand), ("nodes", nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"eagle tree {name} must be a whole number >= 1 (got {v!r})")
+    return depth, expand, nodes
+
+
+def parse_dynamic_tree(spec) -> dict:
+    """``"dynamic-D-K-M"`` (depth D, expand K per level, keep M nodes) or a dict of those -> EagleDrafter kwargs."""
+    if isinstance(spec, dict):
+        d, k, m = spec.get("depth"), spec.get("expand"), spec.get("nodes")
+    else:
+        parts = str(spec).split("-")
+        try:
+            if parts[0] != "dynamic" or len(parts) != 4:
+                raise ValueError
+            d, k, m = (int(x) for x in parts[1:])
+        except ValueError:
+            raise ValueError(f"unknown eagle tree {spec!r}: use 'auto' or 'dynamic-D-K-M' "
+                             "(depth D, K candidates expanded per level, M nodes verified), e.g. 'dynamic-5-4-8'") from None
+    d, k, m = check_dynamic_tree(d, k, m)
+    return {"depth": d, "expand": k, "nodes": m}

@@ -8,9 +8,6 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Tests time layouts and costs afresh and keep nothing (selfspec/timings.py): what one test or run
-# timed must not decide what another measures. tests/test_timings.py turns the store on where it tests it.
-os.environ.setdefault("SELFSPEC_TIMINGS", "off")
 
 # `make test` runs the suite in parallel workers (pytest-xdist, one per core up to TEST_WORKERS): each
 # worker, and the processes its tests start, get an equal share of the cores, so that workers do not
@@ -29,7 +26,7 @@ FIRST = ("test_gpu_check.py::test_gpu_check_dry_run_on_cpu",)
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     # The tests on the real demo model run in one worker (`make test`: --dist loadgroup): each worker
-    # that runs one loads the model, computes transformers' references and times the product layouts
+    # that runs one loads the model, computes transformers' references
     # (a minute of CPU each), so one worker does it once.
     for item in items:
         if "demo" in getattr(item, "fixturenames", ()):

@@ -341,13 +341,13 @@ def test_generate_bad_input(ids, kwargs, d, one_thread):
     _one_line(excinfo)
 
 
-def test_tune_layouts_needs_a_batch_of_at_least_one_row(d, one_thread):
+def test_time_costs_needs_a_batch_of_at_least_one_row(d, one_thread):
     from selfspec import SelfSpeculativeModel
 
     sm = SelfSpeculativeModel.from_pretrained(str(d / "tiny"), drafter="lookup", device="cpu")
-    sm.tune_layouts(batch=2)
+    sm.time_costs(batch=2)
     with pytest.raises(ValueError) as excinfo:
-        sm.tune_layouts(batch=0)
+        sm.time_costs(batch=0)
     assert "at least one row" in _one_line(excinfo)
 
 

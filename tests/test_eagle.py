@@ -14,7 +14,8 @@ from selfspec import cache as kv
 from selfspec.backbone import Backbone, config_fingerprint
 from selfspec.decode import decode
 from selfspec.drafters.base import Draft
-from selfspec.drafters.eagle import EagleDrafter, parse_dynamic_tree
+from selfspec.drafters.eagle import EagleDrafter
+from selfspec.tree import parse_dynamic_tree
 from selfspec.drafters.lookup import graft
 from selfspec.heads import load_heads
 from selfspec.model import untrained_heads
@@ -48,27 +49,6 @@ def test_eagle_greedy_is_exact_on_every_architecture(arch, one_thread):
             new, stats = _decode(bb, drafter, ids)
             assert new == ref, f"{arch} dynamic-{depth}-{expand}-{nodes} lookup {lookup}: diverged"
             assert stats.drafted >= stats.steps * min(nodes, expand * depth)
-
-
-def test_decoding_reroutes_the_products_of_the_head_copy_that_drafts(one_thread, monkeypatch):
-    """A head drafting in another dtype (bfloat16 on a CPU that has it) drafts with a converted copy: that
-    copy's layers, not the loaded heads', are the ones whose few-row products a CPU decode reroutes."""
-    from selfspec import projection
-    from selfspec.projection import FewRowLinears
-
-    monkeypatch.setattr(projection, "emulated", lambda dtype: False)   # as on a CPU with BF16 instructions
-
-    model = tiny_model("llama")
-    bb = Backbone(model)
-    heads = untrained_heads("eagle", model, "tiny")
-    drafter = EagleDrafter(bb, heads, dtype=torch.bfloat16)
-    assert drafter.modules() == (drafter.head,) and drafter.head is not heads.module
-    linears = FewRowLinears(model, *drafter.modules(), min_elements=0)
-    copied = {id(m) for m in drafter.head.modules() if isinstance(m, torch.nn.Linear) and m is not drafter.head.lm_head}
-    assert copied and copied <= {id(m) for m in linears.modules}
-    assert not {id(m) for m in heads.module.modules()} & {id(m) for m in linears.modules}
-    same = EagleDrafter(bb, heads, dtype=next(heads.module.parameters()).dtype)
-    assert same.modules() == (heads.module,)
 
 
 class GraftingEagle(EagleDrafter):

@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.demo
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    # Its processes share one timing store (selfspec/timings.py), as on a GPU box: the first times, the rest read.
     # Two threads, or the worker's share of the cores under `make test`'s parallel workers (conftest.py).
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "SELFSPEC_TIMINGS": str(tmp_path / "timings")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     # A narrow --wide-tree: the dry run checks the script's path for it; a 64-node tree would add a minute of
     # CPU (the default's bucket-filling tree is checked by test_wide_eagle_default_fills_the_largest_bucket)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--wide-tree",

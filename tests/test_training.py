@@ -420,7 +420,8 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
     from selfspec.cli import main
     from selfspec.heads import save_heads
     from selfspec.model import untrained_heads
-    from selfspec.training.tune import SAMPLED_SEARCH_FILE, SEARCH_FILE, _record, _rule, pick_settings, tune_tree
+    from selfspec.heads import SAMPLED_SEARCH_FILE, SEARCH_FILE
+    from selfspec.training.tune import _record, _rule, pick_settings, tune_tree
 
     torch.set_num_threads(1)
     model = tiny_model(seed=2)
@@ -466,10 +467,10 @@ def test_settings_tuned_on_a_gpu_are_what_auto_reads_there_and_the_cpu_keeps_its
     from selfspec.heads import save_heads
     from selfspec.model import untrained_heads
     from selfspec.settings import resolve_settings
-    from selfspec.drafters.eagle import parse_dynamic_tree
+    from selfspec.tree import parse_dynamic_tree
     from selfspec.static import BUCKETS
-    from selfspec.training.tune import (EAGLE_GRID, EAGLE_WIDE, Candidate, SEARCH_FILE, _record, _rule, eagle_grid,
-                                        recorded_devices, search_file)
+    from selfspec.heads import SEARCH_FILE, recorded_devices, search_file
+    from selfspec.training.tune import EAGLE_GRID, EAGLE_WIDE, Candidate, _record, _rule, eagle_grid
 
     # A GPU times wide trees too, none over the largest static bucket with its root and copied tokens.
     assert eagle_grid("cpu") == EAGLE_GRID and eagle_grid("cuda") == EAGLE_GRID + EAGLE_WIDE

@@ -14,9 +14,7 @@ from ..io import prompt_ids
 from ..loading import check_model_name, load_model
 from ..backbone import config_fingerprint
 from ..corpus import is_corpus_dir, load_corpus, read_corpus_config
-from ..projection import packing_works
-from .. import timings
-from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, RETIME_HELP, SETTING_HELP, SETTING_KEYS,
+from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS,
                         check_settings)
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
@@ -55,7 +53,6 @@ def add_bench_args(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="selfspec's methods verify through a compiled static-shape step (compiled during the warm-up)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS where set, else all cores)")
-    p.add_argument("--retime", action="store_true", help=RETIME_HELP)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -145,7 +142,6 @@ def run_bench_cli(args) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit, sample=args.sample, seed=args.seed)
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
-    timings.retime(args.retime)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = None
     if DRAFT_METHODS & set(names):
@@ -176,7 +172,6 @@ def run_bench_cli(args) -> int:
             "repetition_penalty": args.repetition_penalty, "chat_template": chat,
             "methods": names, "auto": auto, "heads": notes, "seed": args.seed,
             "torch": torch.__version__, "command": " ".join(["selfspec"] + sys.argv[1:]),
-            "packed_products": p.device.type == "cpu" and packing_works(p.dtype),
         },
         "methods": results,
     }

@@ -225,19 +225,18 @@ def build_methods(
             return rows_of(out, ids.shape[1]), sm.last_stats
 
         def prepare(positions: int, batch_sizes=(1,), prefill_rows: int | None = None) -> None:
-            """Before anything is timed: eager, time every product layout the run's batches can meet
-            (prefills up to ``prefill_rows`` rows, the run's largest); compiled, size the static cache
-            for the run, compile every tree bucket the drafter can fill at every batch size the run
-            has, and time those buckets for width fitting."""
+            """Before anything is timed: eager, time width fitting's cost prior at the run's batch sizes;
+            compiled, size the static cache for the run, compile every tree bucket the drafter can fill at
+            every batch size the run has, and time those buckets for width fitting."""
             if sm.step is None:
-                sm.tune_layouts(max(batch_sizes), prefill_rows)
+                sm.time_costs(max(batch_sizes))
                 return
             sm.step.reserve(positions)
             drafter = sm.drafter_for(sampling)
             for b in batch_sizes:
                 sm.step.warm_up(batch=b, max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
                 drafter.warm_up(sm.step, batch=b)
-                sm.tune_layouts(b, prefill_rows)
+                sm.time_costs(b)
         fn.prepare = prepare
         return fn
 

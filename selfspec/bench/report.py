@@ -31,7 +31,6 @@ def markdown(result: dict) -> str:
         f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, {mode}"
         + (f", batches of {B} (tokens/s: all rows together; per row: divide by {B})" if B > 1 else "")
         + (", selfspec methods compiled (`--compile`)" if cfg.get("compile") else "")
-        + (", packed CPU products off" if cfg.get("packed_products") is False and cfg["device"] == "cpu" else "")
         + (f"; `selfspec-auto` ran as `{cfg['auto']}` (the default drafter)" if cfg.get("auto") else ""),
         "",
         "| method | tokens/s | speedup | median speedup | vs selfspec-ar | tau | drafts verified / step "

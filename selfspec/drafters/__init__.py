@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..settings import DRAFTER_SETTINGS, check_drafter_name
 from ..tree import Tree, build_tree
 from .base import DecodeState, Draft, Drafter, Resume, TargetOut
 from .draft_model import DraftModelDrafter
@@ -35,10 +36,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
 }
 
 
-def check_drafter_name(name: str) -> str:
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(DRAFTERS)}")
-    return name
+assert DRAFTERS.keys() == DRAFTER_SETTINGS.keys(), "every drafter declares its settings (settings.DRAFTER_SETTINGS)"
 
 
 __all__ = ["DRAFTERS", "Draft", "DecodeState", "Drafter", "Resume", "TargetOut", "Tree", "check_drafter_name",

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 from ..backbone import Backbone
 from ..cache import RowView
-from ..projection import Projection, emulated
 from ..sampling import SamplingParams, pick_candidates, probs_from_logits
 from ..settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 from ..tree import Tree, build_tree, prune
 from ..verify import Accepted
-
-
-def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
-    """The precision a drafter with weights of its own (an EAGLE head, a draft model) drafts in.
-    Drafts only propose (the target's pass decides), so precision costs acceptance at most, never
-    exactness. On a CPU with BF16 instructions (AVX512-BF16, AMX) a float32 target's drafter drafts
-    in bfloat16: its few-row products, a draft-vocabulary LM head above all, run several times
-    faster there. Elsewhere the target's dtype."""
-    if device.type == "cpu" and target_dtype == torch.float32 and not emulated(torch.bfloat16):
-        return torch.bfloat16
-    return target_dtype
-
-
-def drafting_modules(drafters: list) -> list:
-    """The modules the drafters draft with, each once (``Drafter.modules``)."""
-    return list({id(m): m for d in drafters for m in d.modules()}.values())
 
 
 @dataclass
@@ -89,12 +74,6 @@ class Drafter:
         """The most tree nodes (root included) one draft can have: a static step compiles that far."""
         tree = getattr(self, "tree", None)
         return (1 if tree is None else tree.size) + getattr(self, "lookup", 0)
-
-    def modules(self) -> tuple:
-        """The modules whose layers run while drafting (a CPU decode reroutes their few-row products:
-        ``projection.few_row_linears``): the heads' by default; a drafter that drafts with a converted
-        copy of them (or a model of its own) names that."""
-        return () if self.heads is None else (self.heads.module,)
 
     def use_step(self, step) -> None:
         """Called before a decode with its static verify step (``step.StaticStep``, ``compile=True``) or
@@ -236,10 +215,9 @@ def tree_width(tree: Tree) -> int:
     return max((tree.width_at(d) for d in range(1, tree.depth + 1)), default=1)
 
 
-def draft_head(backbone: Backbone, vocab: torch.Tensor | None) -> Projection:
-    """The LM-head rows a draft scores against: all of them, or a frequent-token subset."""
-    if vocab is None:
-        return backbone.head
-    bias = backbone.lm_head.bias
-    return Projection(backbone.lm_head.weight.index_select(0, vocab),
-                      None if bias is None else bias.index_select(0, vocab))
+def draft_head(backbone: Backbone, vocab: torch.Tensor | None):
+    """(.., H) -> (.., V_draft): the LM-head rows a draft scores against, all of them or a frequent-token subset."""
+    weight, bias = backbone.lm_head.weight, backbone.lm_head.bias
+    if vocab is not None:
+        weight, bias = weight.index_select(0, vocab), None if bias is None else bias.index_select(0, vocab)
+    return functools.partial(F.linear, weight=weight, bias=bias)

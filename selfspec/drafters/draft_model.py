@@ -22,23 +22,22 @@ is not spent on tokens the target will likely reject; a step whose first draft i
 proposes nothing. On a CPU, where a big draft's forward is a third of the target's, this is
 where the two-model drafter wins or loses.
 
-Precision: the draft runs in ``draft_dtype`` (bfloat16 for a float32 target on a CPU with BF16
-instructions, where its forward is mostly weight reads), on a copy when the given model is in
-another dtype; ``dtype=`` overrides. Drafts only propose, so this never changes the output.
+Precision: the draft runs in its own dtype unless ``dtype=`` asks for another (then on a copy). Drafts only propose, so this never changes the output.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
+from torch.nn import functional as F
 
 from .. import cache as kv
 from ..backbone import Backbone
-from ..projection import Projection
 from ..tree import Tree, additive_mask
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_threshold, draft_dtype, layout, pruned, row_candidates
+from .base import DecodeState, Draft, Drafter, TargetOut, check_threshold, layout, pruned, row_candidates
 
 
 def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
@@ -76,7 +75,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({vocab_size}): "
                              "the draft must share the target's tokenizer")
         w = draft_model.get_output_embeddings().weight
-        self.dtype = dtype or draft_dtype(w.device, w.dtype)
+        self.dtype = dtype or w.dtype
         # A copy in the drafting dtype when it differs: the caller's model (which transformers'
         # assisted generation may also be using, as in the bench) stays as it was.
         self.model = draft_model if self.dtype == w.dtype else copy.deepcopy(draft_model).to(self.dtype)
@@ -91,17 +90,14 @@ class DraftModelDrafter(Drafter):
         subset = getattr(draft_model.config, "selfspec_draft_vocab", None)
         w = self.model.get_output_embeddings().weight
         self.vocab = None if subset is None else torch.as_tensor(subset, dtype=torch.long, device=w.device)
-        # Scores only the target's vocabulary (or the draft's subset of it), in the fastest layout.
+        # Scores only the target's vocabulary (or the draft's subset of it).
         b = getattr(self.model.get_output_embeddings(), "bias", None)
         rows = slice(0, vocab_size) if self.vocab is None else self.vocab
-        self.project = Projection(w[rows], None if b is None else b[rows])
+        self.project = functools.partial(F.linear, weight=w[rows], bias=None if b is None else b[rows])
 
     @property
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
-
-    def modules(self) -> tuple:
-        return (self.model,)
 
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         self.cache, self.row, self.seen = kv.new_cache(), 0, 0

@@ -49,53 +49,30 @@ has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn import functional as F
 
 from .. import cache as kv
 from ..backbone import Backbone
 from ..corpus import Corpus
 from ..heads import Heads, heads_in_dtype
-from ..projection import Projection
 from ..sampling import pick_candidates, probs_from_logits
 from ..settings import STATIC_EAGLE_HEAD_DEVICES
 from ..static import StaticFunction, bucket
-from ..tree import additive_mask, subtree
+from ..tree import additive_mask, check_dynamic_tree, subtree
 from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, draft_dtype, full_vocab
+from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, full_vocab
 from .lookup import with_lookup
 
 if TYPE_CHECKING:
     from ..budget import VerifyCost
     from ..step import StaticStep
-
-
-def check_dynamic_tree(depth: int, expand: int, nodes: int) -> tuple[int, int, int]:
-    for name, v in (("depth", depth), ("expand", expand), ("nodes", nodes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"eagle tree {name} must be a whole number >= 1 (got {v!r})")
-    return depth, expand, nodes
-
-
-def parse_dynamic_tree(spec) -> dict:
-    """``"dynamic-D-K-M"`` (depth D, expand K per level, keep M nodes) or a dict of those -> EagleDrafter kwargs."""
-    if isinstance(spec, dict):
-        d, k, m = spec.get("depth"), spec.get("expand"), spec.get("nodes")
-    else:
-        parts = str(spec).split("-")
-        try:
-            if parts[0] != "dynamic" or len(parts) != 4:
-                raise ValueError
-            d, k, m = (int(x) for x in parts[1:])
-        except ValueError:
-            raise ValueError(f"unknown eagle tree {spec!r}: use 'auto' or 'dynamic-D-K-M' "
-                             "(depth D, K candidates expanded per level, M nodes verified), e.g. 'dynamic-5-4-8'") from None
-    d, k, m = check_dynamic_tree(d, k, m)
-    return {"depth": d, "expand": k, "nodes": m}
 
 
 class EagleDrafter(Drafter):
@@ -115,8 +92,8 @@ class EagleDrafter(Drafter):
             raise ValueError(f"eagle aux layers {aux} must lie between 1 and {backbone.num_layers}")
         self.backbone = backbone
         self.heads = heads
-        # dtype: what the head drafts in (default: ``draft_dtype``); a copy when it differs from the loaded head's.
-        self.dtype = dtype or draft_dtype(backbone.device, backbone.dtype)
+        # dtype: what the head drafts in (default: the target's); a copy when it differs from the loaded head's.
+        self.dtype = dtype or backbone.dtype
         # Under a static verify step, whether the head runs static too (use_step); None: where it pays.
         if static_head not in (None, True, False):
             raise ValueError(f"static_head must be True, False or None (got {static_head!r})")
@@ -130,7 +107,7 @@ class EagleDrafter(Drafter):
         self.vocab = heads.draft_vocab                 # (V_draft,) draft id -> token id, or None
         self.capture_layers = aux
         # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
-        self.project = Projection(self.head.lm_head.weight)
+        self.project = functools.partial(F.linear, weight=self.head.lm_head.weight)
         self.level_s: dict[int, deque] = {}           # rows in a head call -> seconds of its last levels (row copies share it)
         self.cache = kv.new_cache()                    # the head's KV cache: this drafter's own, or a batch's (begin_rows)
         self.row = 0                                   # this drafter's row of ``cache``
@@ -140,9 +117,6 @@ class EagleDrafter(Drafter):
     @property
     def max_nodes(self) -> int:
         return 1 + self.nodes + self.lookup
-
-    def modules(self) -> tuple:
-        return (self.head,)   # the copy it drafts with (bfloat16 on a CPU that has it), not the loaded heads
 
     def use_cost(self, cost: "VerifyCost | None", rows: int | None = None) -> None:
         self.cost, self.cost_rows = cost, rows

@@ -35,18 +35,12 @@ so heads that use one are refused as ``eagle3-sglang``.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
-from ..heads import Heads, HeadsConfig
-from ..settings import DecodeSettings
+from ..heads import LAYER_PREFIX, SGLANG_ARCH, Heads, HeadsConfig
 
-SGLANG_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 SPECULATORS_VERSION = "0.3.0"    # the speculators config version this layout follows
-LAYER_PREFIX = {"eagle3-sglang": "midlayer.", "eagle3-speculators": "layers.0."}
 TRAIN_FLAG = "--aux-layers"      # what makes engine-compatible heads
 
 
@@ -161,112 +155,3 @@ def config(heads: Heads, *, fmt: str, target_config, verifier: str, draft_size: 
                                                                          or ["LlamaForCausalLM"])},
         },
     }
-
-
-# ---------------------------------------------------------------------------------------------- import
-
-
-def is_eagle3(raw: dict) -> bool:
-    """A config.json written for an EAGLE-3 draft, in either layout."""
-    return SGLANG_ARCH in (raw.get("architectures") or []) or raw.get("speculators_model_type") == "eagle3"
-
-
-def imported_config(raw: dict, *, where: str) -> HeadsConfig:
-    """selfspec's view of an EAGLE-3 ``config.json`` (either layout). The base model is unknown until a
-    target is at hand: ``base_fingerprint`` is empty and :func:`check_against_target` checks the shapes.
-    ``aux_layers`` is empty where the file names none (the engines' default, filled in at load)."""
-    layer = raw.get("transformer_layer_config") or raw
-    why = unsupported(raw, layer)
-    if why:
-        raise ValueError(f"{where} is an EAGLE-3 draft selfspec cannot run: {why}; selfspec runs one-layer EAGLE-3 "
-                         "drafts (SiLU MLP, no biases), as `selfspec train-heads --kind eagle` trains them")
-    try:
-        hidden = int(raw.get("target_hidden_size") or layer["hidden_size"])
-        if int(layer["hidden_size"]) != hidden:
-            raise ValueError(f"its layer width {layer['hidden_size']} differs from the target's {hidden}, which "
-                             "selfspec's eagle head does not support")
-        heads = int(layer["num_attention_heads"])
-        aux = imported_aux_layers(raw)
-        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
-        return HeadsConfig(
-            kind="eagle", base_model=verifier, base_fingerprint="", hidden_size=hidden,
-            vocab_size=int(layer["vocab_size"]), intermediate_size=int(layer["intermediate_size"]),
-            aux_layers=[int(a) for a in aux], attn_heads=heads,
-            kv_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or hidden // heads), rms_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            shared_lm_head=False, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size")
-                                                       or layer["vocab_size"]),
-            norm_before_residual=bool(raw.get("norm_before_residual")),
-            feature_norm="concat" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "",
-            norm_output=bool(raw.get("norm_output")),
-            decode=DecodeSettings(), provenance={"imported_from": where, "layout": layout_of(raw)},
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}/config.json is an EAGLE-3 config selfspec cannot read ({e}): export it again") from None
-
-
-def unsupported(raw: dict, layer: dict) -> str | None:
-    """What in an EAGLE-3 config selfspec's one-layer head cannot be, or None."""
-    try:
-        layers = int(layer.get("num_hidden_layers") or 1)
-    except (TypeError, ValueError):
-        return None          # a malformed config: imported_config says so
-    if layers != 1:
-        return f"it has {layers} decoder layers"
-    for key in ("attention_bias", "mlp_bias"):
-        if layer.get(key):
-            return f"its layer sets {key}"
-    if layer.get("hidden_act", "silu") != "silu":
-        return f"its MLP uses {layer['hidden_act']!r}"
-    if raw.get("norm_before_fc") and raw.get("fc_norm"):
-        return "it sets both norm_before_fc and fc_norm, which exclude each other"
-    return None
-
-
-def imported_aux_layers(raw: dict) -> list[int]:
-    """selfspec's aux layers from an EAGLE-3 config: an SGLang layout's nested ids (SGLang's counting, +1),
-    else the top-level ids (vLLM's counting, as written), else [] (the engines' default)."""
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested and layout_of(raw) == "eagle3-sglang":
-        return [int(k) + 1 for k in nested]
-    return [int(a) for a in raw.get("eagle_aux_hidden_state_layer_ids") or []]
-
-
-def layout_of(raw: dict) -> str:
-    return "eagle3-speculators" if raw.get("speculators_model_type") == "eagle3" else "eagle3-sglang"
-
-
-def imported_tensors(tensors: dict[str, torch.Tensor], config: HeadsConfig) -> tuple[dict, torch.Tensor | None]:
-    """(the module's state dict under selfspec's names, draft vocabulary or None) from an EAGLE-3 file."""
-    out, d2t = {}, tensors.get("d2t")
-    for name, t in tensors.items():
-        if name in ("d2t", "t2d") or name.startswith("embed_tokens."):   # the embedding is the target's
-            continue
-        for prefix in LAYER_PREFIX.values():
-            if name.startswith(prefix):
-                name = "midlayer." + name.removeprefix(prefix)
-        out[name] = t
-    draft_vocab = None
-    if d2t is not None and config.draft_vocab_size != config.vocab_size:
-        draft_vocab = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
-    return out, draft_vocab
-
-
-def check_against_target(config: HeadsConfig, target_config, where: str) -> None:
-    """Imported heads carry no fingerprint: check the shapes they need from the target, fill in default aux layers."""
-    from ..models.eagle import default_aux_layers
-
-    n = target_config.num_hidden_layers
-    if config.hidden_size != target_config.hidden_size or config.vocab_size != target_config.vocab_size:
-        raise ValueError(f"{where} drafts for a model with hidden size {config.hidden_size} and vocabulary "
-                         f"{config.vocab_size}, not this one ({target_config.hidden_size}, {target_config.vocab_size}): "
-                         "pass heads trained for this model")
-    if not config.aux_layers:
-        config.aux_layers = default_aux_layers(n)
-    if not all(0 < a < n for a in config.aux_layers):
-        raise ValueError(f"{where} reads aux layers {config.aux_layers}, but this model has {n} layers: pass heads "
-                         "trained for this model")
-
-
-def read_raw_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text())

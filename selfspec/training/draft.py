@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +34,7 @@ import torch
 from ..backbone import config_fingerprint
 from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
 from .checkpoint import STATE_FILE, check_resumable, open_run
+from .config import DraftConfig
 from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
 from ..settings import default_exit_layer
 from .features import extract_features, target_view
@@ -42,29 +43,6 @@ from .split import frequent_vocab, run_split
 from .tasks.draft import SAVE_DTYPES, DraftTask, make_student
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftConfig:
-    """Every train-draft default; the CLI flags are derived from these fields (``--layers`` is separate)."""
-
-    steps: int = 2000                 # optimizer steps
-    lr: float = 3e-4                  # whole decoder layers, not fresh heads: gentler than train-heads
-    warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
-    weight_decay: float = 0.0
-    batch_size: int = 8               # sequences per micro-batch (per process)
-    grad_accum: int = 1               # micro-batches per optimizer step
-    max_len: int = 1024               # longer sequences keep their last max_len tokens
-    group_by_length: bool = False     # micro-batches of similar lengths (split.GROUP_BATCHES): far less padding, more peak memory
-    draft_vocab_size: int = 8192      # 0 = the full vocabulary (loss only; the saved draft keeps the full LM head)
-    eval_fraction: float = 0.05       # held-out share of the sequences
-    eval_every: int = 200
-    save_every: int = 500
-    seed: int = 0
-    save_dtype: str = "float16"       # float16 | bfloat16: storage of the trained tensors
-    cache_features: bool = True       # the teacher's states from train-heads' shared on-disk feature cache
-    feature_dtype: str = "float32"    # precision of that one-off pass: float32 | bfloat16
-    out: str = "draft-out"
 
 
 def train_draft(

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -23,25 +23,9 @@ from .checkpoint import STATE_FILE, atomic_torch_save, deferred_sigint
 from .features import FeatureCache
 from .losses import HeadLoss
 from .split import Batch, Sequence, batch_indices, collate
-
-if TYPE_CHECKING:
-    from .tasks.base import Task
+from .tasks.base import EvalResult, Task
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalResult:
-    step: int
-    loss: float
-    top1: list[float]  # per head (EAGLE: per draft step)
-    top5: list[float]
-    tokens: int
-    by: str = "head"   # what the columns are: "head", or "draft step" for an EAGLE head's unrolled steps
-
-    def line(self) -> str:
-        acc = " ".join(f"{a:.1%}/{b:.1%}" for a, b in zip(self.top1, self.top5))
-        return f"eval step {self.step}: loss {self.loss:.4f}, top-1/top-5 by {self.by}: {acc} ({self.tokens} positions)"
 
 
 @dataclass

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +31,8 @@ import torch
 from ..heads import KINDS
 from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
-from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, default_exit_layer
+from ..settings import default_exit_layer
+from .config import TrainConfig
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, report_run, resolve_mixed_precision, run_hardware
 from .split import encode_rows, frequent_vocab, run_split, warm_split
@@ -39,45 +40,6 @@ from .tasks import HEAD_TASKS
 from .warm_start import check_init_shape, load_grown, load_init
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    """Every training default; the CLI flags are derived from these fields."""
-
-    kind: str = "medusa"              # medusa | early-exit | eagle
-    num_heads: int = DEFAULT_NUM_HEADS  # medusa
-    token_input: bool = DEFAULT_TOKEN_INPUT   # medusa: heads also read the root token's embedding (known when drafting)
-    head_mlp: str = ""                # medusa: widths of an extra residual MLP per head, e.g. "1024,1024" (heads 1-2)
-    exit_layer: int | None = None     # early-exit; None = num_layers // 2
-    aux_layers: str = ""              # eagle: target layers whose hidden states feed the head, e.g. "2,15,27"; "" = low/mid/high
-    ttt_steps: int = 4                # eagle: draft steps unrolled per position in training (training-time test)
-    shared_lm_head: bool = True       # eagle: score with the target's own LM-head rows, frozen (a smaller, cheaper head)
-    loss_rows: str = "response"       # eagle: "response" rows only, or "all" (the prompt's too: the target's forward covers them anyway)
-    steps: int = 2000                 # optimizer steps
-    lr: float = 1e-3
-    warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
-    weight_decay: float = 0.0
-    batch_size: int = 8               # sequences per micro-batch (per process)
-    grad_accum: int = 1               # micro-batches per optimizer step
-    max_len: int = 1024               # longer sequences keep their last max_len tokens
-    group_by_length: bool = False     # micro-batches of similar lengths (split.GROUP_BATCHES): far less padding, more peak memory
-    draft_vocab_size: int = 8192      # 0 = the full vocabulary
-    head_weight_base: float = 0.8     # medusa: head k's loss is scaled by base**k; eagle: unrolled step k's
-    hard_weight: float = 0.0          # extra cross-entropy on the target's tokens (eagle: its top token)
-    eval_fraction: float = 0.05       # held-out share of the sequences
-    eval_every: int = 200
-    save_every: int = 500
-    seed: int = 0
-    exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
-    exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
-    cache_features: bool = True       # one backbone pass up front, kept on disk; epochs then cost only the heads
-    feature_dtype: str = "float32"    # that pass's precision (eagle: its in-step target pass): float32 | bfloat16 (autocast)
-    mixed_precision: str = "auto"     # autocast of the training step: auto (bf16 on CUDA, none on CPU) | no | bf16
-    save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
-    lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
-    init: str | None = None           # warm start: a heads directory whose weights and draft vocabulary this run starts from
-    out: str = "heads-out"
 
 
 def train_heads(

@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import statistics
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,21 +51,19 @@ from ..budget import verify_cost
 from ..corpus import load_corpus
 from ..decode import decode
 from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
-from ..drafters.base import draft_dtype, drafting_modules
-from ..drafters.eagle import parse_dynamic_tree
-from ..heads import Heads, heads_in_dtype, load_heads, read_heads_config, write_heads_config
+
+from ..heads import (Heads, heads_in_dtype, load_heads, read_heads_config, recorded_devices, recorded_search,
+                     search_file, write_heads_config)
 from ..bench.harness import load_prompts as load_bench_prompts
 from ..card import this_hardware
 from ..io import atomic_write_text, prompt_ids
 from ..loading import check_model_name, load_model, resolve_device, resolve_dtype
-from ..model import tune_layouts
-from ..projection import few_row_linears
 from ..sampling import SamplingParams
-from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings, is_device_type
+from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
 from ..static import BUCKETS
 from ..tuned_pairs import pair_searches, read_pair_record, write_pair_record
-from ..tree import build_tree, parse_tree, tree_from_rank_accuracy
+from ..tree import build_tree, parse_dynamic_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, check_corpus_arg, in_unit_interval
 from .data import read_meta
 from .losses import to_subset_ids
@@ -183,22 +180,19 @@ def medusa_rank_accuracy(model, heads: Heads, seqs: list[Sequence], *, max_rank:
     return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
-def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int, linears=nullcontext(), *,
+def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int, *,
          temperature: float = 0.0, seed: int = 0) -> tuple[int, float, int, int, int]:
     """Decode one prompt, greedy or (``temperature`` > 0) sampled with a generator seeded ``seed``:
-    (tokens, wall seconds, steps, tokens committed, draft nodes verified). ``linears``: what
-    ``SelfSpeculativeModel.generate`` decodes under (``projection.few_row_linears``), and like it each
-    step's tree is cut to the width the pass is worth (``budget.py``)."""
+    (tokens, wall seconds, steps, tokens committed, draft nodes verified). As in
+    ``SelfSpeculativeModel.generate``, each step's tree is cut to the width the pass is worth (``budget.py``)."""
     params = SamplingParams(do_sample=True, temperature=temperature) if temperature > 0 else SamplingParams()
     generator = torch.Generator(device=bb.device).manual_seed(seed) if temperature > 0 else None
-    with linears:
-        new, st = decode(bb, drafter, prompt.to(bb.device), params=params, max_new_tokens=max_new_tokens,
-                         eos_token_ids=set(), generator=generator,
-                         cost=verify_cost(bb) if drafter.max_nodes > 1 else None)
+    new, st = decode(bb, drafter, prompt.to(bb.device), params=params, max_new_tokens=max_new_tokens,
+                     eos_token_ids=set(), generator=generator, cost=verify_cost(bb) if drafter.max_nodes > 1 else None)
     return len(new), st.wall_s, st.steps, sum((a + 1) * n for a, n in enumerate(st.accepted_hist)), st.drafted
 
 
-def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], linears, *, max_new_tokens: int,
+def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], *, max_new_tokens: int,
                   repeats: int, progress: bool, temperature: float = 0.0) -> tuple[list[list[tuple]], list[list[float]]]:
     """Decode every prompt with every drafter (index 0: the plain reference), interleaved; greedy, or
     sampled at ``temperature`` (every drafter's run of a prompt seeded alike).
@@ -207,10 +201,8 @@ def time_drafters(bb: Backbone, drafters: list, prompts: list[torch.Tensor], lin
     machine drift hits them alike. Returns (runs, ratios): ``runs[i]`` the ``_run`` tuples of drafter
     i, ``ratios[i]`` its tokens/s over plain decoding's on the same prompt in the same round.
     """
-    run = lambda d, prompt, n, seed=0: _run(bb, d, prompt, n, linears, temperature=temperature, seed=seed)  # noqa: E731
-    longest = max(int(p.shape[-1]) for p in prompts)
-    for d in drafters:  # warm-up; every product layout a drafter can meet is timed here, not in a timed run
-        tune_layouts(bb, d, linears, prefill_rows=longest)
+    run = lambda d, prompt, n, seed=0: _run(bb, d, prompt, n, temperature=temperature, seed=seed)  # noqa: E731
+    for d in drafters:  # warm-up
         run(d, prompts[0], 4)
     runs: list[list[tuple[int, float, int, int, int]]] = [[] for _ in drafters]
     ratios: list[list[float]] = [[] for _ in drafters]
@@ -267,7 +259,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
                                                    lookup=k, corpus=corpus)
     elif heads.config.kind == "eagle":
         grid = [(spec, t, 0.0, k) for spec, t, k in eagle_grid(bb.device.type) if prune or t == 0]
-        drafting = heads_in_dtype(heads, draft_dtype(bb.device, bb.dtype))   # one copy for every candidate, not one each
+        drafting = heads_in_dtype(heads, bb.dtype)   # one copy for every candidate, not one each
         make = lambda spec, t, g, k: EagleDrafter(bb, drafting, **parse_dynamic_tree(spec), threshold=t, lookup=k,  # noqa: E731
                                                   corpus=corpus)
     else:
@@ -283,7 +275,7 @@ def tune_tree(model, heads: Heads, seqs: list[Sequence], *, n_prompts: int = TUN
         return build_tree(parse_tree(spec, default=())).size - 1
 
     cands = time_candidates(bb, drafters, grid, size, prompts[:n_prompts], prompts[n_prompts:2 * n_prompts],
-                            few_row_linears(model, *drafting_modules(drafters)), max_new_tokens=max_new_tokens,
+                            max_new_tokens=max_new_tokens,
                             repeats=repeats, progress=progress, tolerance=tolerance, finalists=finalists,
                             temperature=temperature)
     return pick(cands, tolerance=tolerance), cands, acc
@@ -294,8 +286,7 @@ def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_token
                      progress: bool = True, prune: bool = True, tolerance: float = TUNE_TOLERANCE,
                      finalists: int = FINALISTS, temperature: float = 0.0) -> tuple[Candidate, list[Candidate]]:
     """Time the draft model's chains (``DRAFT_GRID``) against plain decoding as ``tune_tree`` times
-    trees; return (best, all). ``draft`` should already be in its drafting dtype (``draft_dtype``),
-    else every candidate's drafter converts a copy of its own. The first ``n_prompts`` of ``prompts``
+    trees; return (best, all). The first ``n_prompts`` of ``prompts``
     (default: all) time every chain, the next ``n_prompts`` the finalists (``time_candidates``)."""
     if not prompts:
         raise ValueError("no prompts to time on")
@@ -306,21 +297,21 @@ def tune_draft_model(model, draft, prompts: list[torch.Tensor], *, max_new_token
                           threshold=t) for spec, t, _, _ in grid]
     n = len(prompts) if n_prompts is None else n_prompts
     cands = time_candidates(bb, drafters, grid, lambda spec: build_tree(parse_tree(spec, default=())).size - 1,
-                            prompts[:n], prompts[n:2 * n], few_row_linears(model, *drafting_modules(drafters)),
+                            prompts[:n], prompts[n:2 * n],
                             max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, tolerance=tolerance,
                             finalists=finalists, temperature=temperature)
     return pick(cands, tolerance=tolerance), cands
 
 
 def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first: list[torch.Tensor],
-                    second: list[torch.Tensor], linears, *, max_new_tokens: int, repeats: int, progress: bool,
+                    second: list[torch.Tensor], *, max_new_tokens: int, repeats: int, progress: bool,
                     tolerance: float, finalists: int, temperature: float = 0.0) -> list[Candidate]:
     """Time ``drafters`` (index 0: plain decoding; then one per ``grid`` row) on ``first``, then the
     ``finalists`` fastest of those within twice ``tolerance`` of the best again on ``second`` (with
     plain decoding, interleaved as before); a finalist's numbers pool both rounds. Candidates with
     the lookup and without it are two groups, each with its own finalists (``pick_settings`` picks
     from each). Returns one ``Candidate`` per grid row."""
-    runs, ratios = time_drafters(bb, drafters, first, linears, max_new_tokens=max_new_tokens,
+    runs, ratios = time_drafters(bb, drafters, first, max_new_tokens=max_new_tokens,
                                  repeats=repeats, progress=progress, temperature=temperature)
     cands = _candidates(grid, runs, ratios, size)
     if finalists <= 0 or not second:
@@ -330,7 +321,7 @@ def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first
         top = max(cands[i].speedup for i in group)
         near += sorted((i for i in group if cands[i].speedup >= (1 - 2 * tolerance) * top),
                        key=lambda i: -cands[i].speedup)[:finalists]
-    more_runs, more_ratios = time_drafters(bb, [drafters[0]] + [drafters[i + 1] for i in near], second, linears,
+    more_runs, more_ratios = time_drafters(bb, [drafters[0]] + [drafters[i + 1] for i in near], second,
                                            max_new_tokens=max_new_tokens, repeats=repeats, progress=progress,
                                            temperature=temperature)
     for j, i in enumerate(near, start=1):
@@ -536,8 +527,6 @@ def _run_tune_pair(args, loaded) -> int:
     reads there). The other mode's pick and timings stay, and so do other devices' (``pair_searches``)."""
     device = loaded.model.device.type
     draft = load_model(args.draft_model, device=loaded.model.device).model
-    w = draft.get_output_embeddings().weight
-    draft.to(draft_dtype(w.device, w.dtype))   # converted once here, as from_pretrained does
     try:
         old = read_pair_record(loaded.model, draft) or {}
     except ValueError:
@@ -580,31 +569,6 @@ def _run_tune_pair(args, loaded) -> int:
     return 0
 
 
-SEARCH_FILE = "tune-tree.json"
-SAMPLED_SEARCH_FILE = "tune-tree-sampled.json"   # ``--temperature``: the timings behind ``decode.sampled``
-
-
-def search_file(*, sampled: bool = False, device: str = HOME_DEVICE) -> str:
-    """Where a heads directory keeps the timings behind its settings for one mode and kind of device:
-    tune-tree.json / tune-tree-sampled.json for the CPU's, tune-tree-cuda.json / tune-tree-cuda-sampled.json
-    for a GPU's."""
-    if device == HOME_DEVICE:
-        return SAMPLED_SEARCH_FILE if sampled else SEARCH_FILE
-    return f"tune-tree-{device}{'-sampled' if sampled else ''}.json"
-
-
-def recorded_devices(heads_dir) -> tuple[str, ...]:
-    """The kinds of device tune-tree timed these heads on (the CPU first), from the record files present."""
-    found = set()
-    for path in Path(heads_dir).glob("tune-tree*.json"):   # search_file's names: tune-tree[-DEVICE][-sampled].json
-        parts = path.stem.split("-")[2:]
-        parts = parts[:-1] if parts and parts[-1] == "sampled" else parts
-        kind = HOME_DEVICE if not parts else parts[0] if len(parts) == 1 and is_device_type(parts[0]) else None
-        if kind:
-            found.add(kind)
-    return tuple(sorted(found, key=lambda k: (k != HOME_DEVICE, k)))
-
-
 def _settings(c: Candidate, without_lookup: DecodeSettings | None = None) -> DecodeSettings:
     return DecodeSettings(tree=c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec], threshold=c.threshold,
                           gate=c.gate, lookup=c.lookup, without_lookup=without_lookup)
@@ -626,22 +590,6 @@ def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled:
     atomic_write_text(Path(heads_dir) / search_file(sampled=sampled, device=device),
                       json.dumps({**search, "device": device}, indent=1))
     return _report_choice(heads_dir, best, off, sampled=sampled, device=device)
-
-
-def recorded_search(heads_dir, *, sampled: bool = False, device: str = HOME_DEVICE) -> dict | None:
-    """The candidates the last tune-tree run on this kind of device timed for these heads, greedy or
-    (``sampled``) at a temperature (heads tuned before selfspec 0.2 keep the CPU's greedy ones in their
-    provenance), or None."""
-    path = Path(heads_dir) / search_file(sampled=sampled, device=device)
-    if path.is_file():
-        try:
-            search = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError):
-            search = None
-        if not isinstance(search, dict):
-            raise ValueError(f"{path} is not a tune-tree record (corrupt JSON): delete it and run `selfspec tune-tree` again")
-        return search
-    return None if sampled or device != HOME_DEVICE else read_heads_config(heads_dir).provenance.get("tree_search")
 
 
 def _report_choice(path: str, best: Candidate, off: Candidate | None = None, *, sampled: bool = False,

@@ -10,14 +10,28 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..features import FeatureCache
-from ..loop import EvalResult
 from ..losses import HeadLoss
 from ..split import Batch, Sequence
+
+
+@dataclass
+class EvalResult:
+    step: int
+    loss: float
+    top1: list[float]  # per head (EAGLE: per draft step)
+    top5: list[float]
+    tokens: int
+    by: str = "head"   # what the columns are: "head", or "draft step" for an EAGLE head's unrolled steps
+
+    def line(self) -> str:
+        acc = " ".join(f"{a:.1%}/{b:.1%}" for a, b in zip(self.top1, self.top5))
+        return f"eval step {self.step}: loss {self.loss:.4f}, top-1/top-5 by {self.by}: {acc} ({self.tokens} positions)"
 
 
 class Task(ABC):

@@ -20,7 +20,6 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
@@ -29,13 +28,11 @@ from ... import __version__
 from ...io import atomic_path, atomic_write_text
 from ...drafters.draft_model import truncated_copy
 from ..features import FeatureCache, Target
-from ..loop import EvalResult
 from ..losses import HeadLoss, exit_loss
 from ..split import Batch, Sequence, collate, length_batches
-from .base import Task
+from ..config import DraftConfig
+from .base import EvalResult, Task
 
-if TYPE_CHECKING:
-    from ..draft import DraftConfig
 
 META_FILE = "selfspec_draft.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -22,7 +22,7 @@ import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch.nn import functional as F
@@ -30,13 +30,11 @@ from torch.nn import functional as F
 from ...heads import Heads, save_heads
 from ..checkpoint import atomic_save_adapter
 from ..features import FeatureCache, Target
-from ..loop import EvalResult
 from ..losses import HeadLoss
 from ..split import Batch, Sequence, collate, length_batches
-from .base import Task
+from ..config import TrainConfig
+from .base import EvalResult, Task
 
-if TYPE_CHECKING:
-    from ..train import TrainConfig
 
 
 def window_rows(h: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
