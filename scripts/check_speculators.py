@@ -27,9 +27,9 @@ project. Install it beside the environment without its dependencies, e.g.
 from __future__ import annotations
 
 import argparse
-from importlib.metadata import version
 import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -70,8 +70,8 @@ def speculators_draft(model, hidden: tuple[torch.Tensor, ...], ids: torch.Tensor
 def selfspec_draft(heads, backbone, ids: torch.Tensor, cut: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """selfspec's head over ids: (committed slots' logits (T-1, V_draft); with ``cut``, the logits of one drafted
     slot after the committed slots of ids[:cut + 2], fed the true token ids[cut + 2])."""
-    from selfspec import cache as kv
-    from selfspec.decode import prefill
+    from selfspec.core import cache as kv
+    from selfspec.core.decode import prefill
 
     seq = ids if cut is None else ids[:cut + 2]
     out = prefill(backbone, kv.new_cache(), seq, capture=tuple(heads.config.aux_layers))
@@ -136,10 +136,10 @@ def main() -> int:
         ap.exit(2, f"check_speculators: speculators is not importable ({e}); see this script's docstring for how to "
                    "install it beside the environment\n")
     torch.set_grad_enabled(False)
-    from selfspec.backbone import Backbone, config_fingerprint
+    from selfspec.bench.harness import load_prompts
+    from selfspec.core.backbone import Backbone, config_fingerprint
     from selfspec.export import export_heads
     from selfspec.heads import load_heads
-    from selfspec.bench.harness import load_prompts
     from selfspec.io import prompt_ids
     from selfspec.loading import load_model, resolve_source
 

@@ -113,7 +113,7 @@ def calibration(m, rows, a) -> None:
 def root_steps(m, rows, a):
     """Sampling the prompts at ``--temperature``: for every step, (p, q): the target's distribution after the
     root and the head's distribution the root's children were drawn from."""
-    from selfspec.sampling import probs_from_logits
+    from selfspec.core.sampling import probs_from_logits
 
     seen: list = []
     recording(m.sampled_drafter, seen)

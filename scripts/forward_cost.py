@@ -29,11 +29,12 @@ def main() -> None:
     if a.repeats < 4:
         ap.error("--repeats must be at least 4: the first 3 of each are warm-up, not timed")
     torch.set_num_threads(a.threads)
-    from selfspec import cache as kv
-    from selfspec.backbone import Backbone
-    from selfspec.loading import load_model
-    from selfspec.bench.methods import CACHE_KWARG
     from transformers import DynamicCache
+
+    from selfspec.bench.methods import CACHE_KWARG
+    from selfspec.core import cache as kv
+    from selfspec.core.backbone import Backbone
+    from selfspec.loading import load_model
 
     model = load_model(a.model).model
     bb = Backbone(model)

@@ -38,9 +38,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     import transformers
 
-    from selfspec.backbone import Backbone
+    from selfspec.core.backbone import Backbone
     from selfspec.loading import model_config
-    from selfspec.step import StaticStep
+    from selfspec.runtime.step import StaticStep
 
     try:
         config = model_config(a.model)

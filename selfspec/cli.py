@@ -20,10 +20,16 @@ from typing import Callable
 
 from . import __version__
 from .io import prompt_ids
-from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_draft
 from .settings import CORPUS_HELP
-from .training.cli_args import (at_least, check_corpus_arg, check_output_dir, check_prompt_text, check_sampling,
-                                in_unit_interval)
+from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_draft
+from .training.cli_args import (
+    at_least,
+    check_corpus_arg,
+    check_output_dir,
+    check_prompt_text,
+    check_sampling,
+    in_unit_interval,
+)
 
 
 def format_stats(stats) -> str:
@@ -44,6 +50,9 @@ def check_generate_args(args) -> None:
     """Everything about ``selfspec generate``'s flags that can be wrong, checked before torch loads."""
     at_least(args.max_new_tokens, 1, "max_new_tokens")
     at_least(args.min_new_tokens, 0, "min_new_tokens")
+    if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens {args.min_new_tokens} exceeds --max-new-tokens {args.max_new_tokens}: "
+                         "a row cannot end before its minimum; lower --min-new-tokens or raise --max-new-tokens")
     check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    repetition_penalty=args.repetition_penalty)
     in_unit_interval(args.min_p, "min_p")
@@ -209,11 +218,10 @@ def cmd_build_corpus(args) -> int:
     if not args.data:
         raise ValueError("--data needs at least one gen-data directory")
 
-    from .backbone import config_fingerprint
+    from .core.backbone import config_fingerprint
     from .corpus import Corpus
-    from .training.data import answers_from_data
     from .loading import check_model_name, model_config
-    from .training.data import read_meta
+    from .training.data import answers_from_data, read_meta
 
     check_model_name(args.model)
     meta = read_meta(args.data)       # every directory must be gen-data output, of one model

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import __version__
-from .backbone import cache_argument
+from .core.backbone import cache_argument
 from .io import atomic_path, atomic_write_text
 from .settings import HOME_DEVICE, DecodeSettings, is_device_type
 
@@ -198,7 +198,7 @@ def build_heads(config: HeadsConfig, *, model=None) -> nn.Module:
     if config.kind == "early-exit" and config.adapter == "layer":
         if model is None:
             raise ValueError("a 'layer' exit adapter is built from the target model: pass model=")
-        from .backbone import Backbone
+        from .core.backbone import Backbone
 
         return ExitLayerHead(Backbone(model).clone_layer(config.exit_layer, residual_writes=False))
     if config.kind == "early-exit" and config.adapter == "mlp":
@@ -402,7 +402,7 @@ def load_heads(directory: str | os.PathLike, *, expect_kind: str, fingerprint: s
     if shared:
         if model is None:
             raise ValueError(f"{directory} shares the target's LM head: pass model= to load it")
-        from .backbone import Backbone
+        from .core.backbone import Backbone
         from .models.eagle import init_from_target
 
         init_from_target(module, Backbone(model), draft_vocab)

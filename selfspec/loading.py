@@ -317,7 +317,7 @@ def materialize_draft(path, *, base_model: str | None = None) -> Path:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .backbone import config_fingerprint  # transformers at import: deferred like the imports above
+    from .core.backbone import config_fingerprint  # transformers at import: deferred like the imports above
 
     path = Path(path)
     if not (path / DRAFT_META_FILE).is_file():

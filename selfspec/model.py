@@ -18,24 +18,56 @@ from pathlib import Path
 
 import torch
 
-from .backbone import Backbone, config_fingerprint
-from .budget import VerifyCost, verify_cost
+from .core.backbone import Backbone, config_fingerprint
+from .core.decode import DecodeStats, decode_rows
+from .core.sampling import SamplingParams
+from .core.stopping import StopStrings
+from .core.tree import build_tree, parse_dynamic_tree, parse_tree
 from .corpus import Corpus, load_corpus, read_corpus_config
-from .decode import DecodeStats, decode_rows
-from .drafters import (DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter,
-                       check_drafter_name)
-
-from .heads import Heads, HeadsConfig, build_heads, head_widths, heads_in_dtype, load_heads, read_heads_config, save_heads
-from .models.eagle import default_aux_layers, init_from_target
+from .drafters import (
+    DraftModelDrafter,
+    EagleDrafter,
+    EarlyExitDrafter,
+    LookupDrafter,
+    MedusaDrafter,
+    NoDrafter,
+    check_drafter_name,
+)
+from .heads import (
+    Heads,
+    HeadsConfig,
+    build_heads,
+    head_widths,
+    heads_in_dtype,
+    load_heads,
+    read_heads_config,
+    save_heads,
+)
 from .loading import check_model_name, load_model, resolve_device, resolve_dtype
-from .sampling import SamplingParams
-from .step import StaticStep
-from .stopping import StopStrings
-from .shipped import (HEADS_DRAFTERS, LOOKUP_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_corpus,
-                      shipped_draft, shipped_heads)
-from .settings import (AUTO, DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT, DRAFTER_SETTINGS,
-                       DrafterSettings, check_settings, default_exit_layer, resolve_settings)
-from .tree import build_tree, parse_dynamic_tree, parse_tree
+from .models.eagle import default_aux_layers, init_from_target
+from .runtime.backoff import Backoff
+from .runtime.step import StaticStep
+from .runtime.width import VerifyCost, verify_cost
+from .settings import (
+    AUTO,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_NUM_HEADS,
+    DEFAULT_TOKEN_INPUT,
+    DRAFTER_SETTINGS,
+    DrafterSettings,
+    check_settings,
+    default_exit_layer,
+    resolve_settings,
+)
+from .shipped import (
+    HEADS_DRAFTERS,
+    LOOKUP_DRAFTERS,
+    auto_sampled_drafter,
+    default_drafter,
+    shipped_corpus,
+    shipped_draft,
+    shipped_heads,
+)
 from .tuned_pairs import pair_decode
 
 log = logging.getLogger(__name__)
@@ -172,6 +204,7 @@ class SelfSpeculativeModel:
         self._timed_batches: set[int] = set()   # batch sizes whose step costs are timed (time_costs)
         self._stops: dict[tuple, tuple] = {}   # (id(tokenizer), strings) -> (tokenizer, its stop rule): _stop_strings
         self._step_costs: dict[tuple, VerifyCost] = {}   # width fitting's prices for the static step, per capture
+        self._backoffs: dict[tuple, Backoff] = {}         # (id(drafter), rows) -> its back-off (runtime/backoff.py)
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
             decode = pair_decode(model, draft_model)   # what `tune-tree --draft-model` measured fastest, if it ran
@@ -246,7 +279,7 @@ class SelfSpeculativeModel:
         takes the shipped heads of the demo model, and for any other model gives untrained heads (output still
         exact, acceptance low) with a warning. draft_model: a model name/path
         (anything ``load_model`` takes) or a loaded causal LM, for ``draft-model``. tree: "auto", "chain-K",
-        "chain-K-wW" or a list of paths (see selfspec.tree). threshold: medusa / early-exit / eagle / draft-model; each step
+        "chain-K-wW" or a list of paths (see selfspec.core.tree). threshold: medusa / early-exit / eagle / draft-model; each step
         drops the tree's nodes whose draft path probability is below it (0 keeps the whole tree; "auto" is
         the value ``selfspec tune-tree`` measured fastest for these heads, or for this target and draft model
         with ``tune-tree --draft-model``; 0 when never tuned). gate: medusa only; a step
@@ -258,12 +291,12 @@ class SelfSpeculativeModel:
         target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
         "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
         static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
-        pay the compilation (tens of seconds on CPU); meant for GPUs: on a CPU the eager path, whose few-row
-        products run packed (projection.py), decodes faster. fit_width: each step (greedy or sampled) verifies
-        every row's tree cut to the width the pass is worth: the most expected tokens per second, from the
-        draft's probabilities and the pass's cost on this machine (timed on first use, about a second on a
-        CPU, once per process, then learned from the steps; compiled, each of the step's padded sizes is
-        timed through the step); False verifies whole trees. Output is unchanged either way.
+        pay the compilation (tens of seconds on CPU), so it pays over long or many generations. fit_width: the
+        runtime adapts to this machine's measured costs: each step (greedy or sampled) verifies every row's tree
+        cut to the width the pass is worth (the most expected tokens per second, from the draft's probabilities
+        and the pass's cost here, timed on first use in about a second, then learned from the steps), and
+        drafting backs off to plain steps where it does not beat them (``runtime/backoff.py``); False drafts and
+        verifies whole trees on every step, whatever they cost. Output is unchanged either way.
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
@@ -447,12 +480,13 @@ class SelfSpeculativeModel:
             self.step.reserve(longest + int(max_new))
         drafter = self.drafter_for(sampling)
         cost = self._cost(len(prompts), drafter)
+        pace = self._pace(len(prompts), drafter)
         if cost is not None and len(prompts) not in self._timed_batches:
             # Time the pass's cost prior now, not inside the steps whose times the fitting learns from.
             self.time_costs(len(prompts))
         new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
                                  max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
-                                 on_tokens=on_tokens, step=self.step, cost=cost, stop=stop,
+                                 on_tokens=on_tokens, step=self.step, cost=cost, pace=pace, stop=stop,
                                  min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
                                  min_length=int(pick(min_length, "min_length", 0)))
         if streamer is not None:
@@ -483,6 +517,13 @@ class SelfSpeculativeModel:
         for cost in costs.values():   # a static step always runs all ``batch`` rows
             for rows in (batch,) if self.step is not None else range(1, batch + 1):
                 cost.table(rows, self.max_nodes)
+
+    def _pace(self, rows: int, drafter) -> Backoff | None:
+        """What turns ``drafter``'s drafting off where it does not pay on this machine, for batches of ``rows``
+        (kept across calls: the machine is the same); None with ``fit_width=False`` or nothing to draft."""
+        if not self.fit_width or drafter.max_nodes < 2:
+            return None
+        return self._backoffs.setdefault((id(drafter), rows), Backoff())
 
     def _cost(self, rows: int, drafter) -> VerifyCost | None:
         """What prices ``drafter``'s verification passes of a batch for width fitting; None where it does not apply."""

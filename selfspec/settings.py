@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-
 DEFAULT_MAX_NEW_TOKENS = 128     # generate(), `selfspec generate` and `selfspec bench` alike
 DEFAULT_NUM_HEADS = 4            # Medusa heads
 DEFAULT_TOKEN_INPUT = True       # Medusa heads also read the root token's embedding (known when drafting)
@@ -261,7 +260,7 @@ def _checked(value, key: str, kind: type):
 
 def _check_tree(drafter: str, tree) -> None:
     # Imported here: this module stays free of torch, so the CLI checks flags before loading it.
-    from .tree import parse_dynamic_tree, parse_tree
+    from .core.tree import parse_dynamic_tree, parse_tree
 
     if drafter == "eagle":
         parse_dynamic_tree(tree)

@@ -15,7 +15,6 @@ from pathlib import Path
 from .settings import AUTO
 
 
-
 def _checkpoints_dir() -> Path:
     here = Path(__file__).resolve().parent
     checkout = here.parent / "checkpoints"

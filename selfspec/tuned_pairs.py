@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .backbone import config_fingerprint
+from .core.backbone import config_fingerprint
 from .io import atomic_write_text
 from .loading import selfspec_home
 from .settings import HOME_DEVICE, DecodeSettings
-
 
 SAMPLED_SEARCH_KEY = "sampled_search"   # a record's sampled timings (``tune-tree --temperature``), beside the greedy ones
 DEVICE_SEARCHES_KEY = "device_searches"  # the timings on other kinds of device: {device: {"greedy": ..., "sampled": ...}}

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-
 from conftest import chi2_check, hf_greedy, tiny_model
-from selfspec.backbone import config_fingerprint
+
+from selfspec.core.backbone import config_fingerprint
 from selfspec.heads import load_heads, save_heads
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 
@@ -45,8 +45,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="exceeds the 4 Medusa heads"):
         _sm(tiny_model(), tree="chain-5")
     with pytest.raises(ValueError, match="not supported"):
-        from selfspec.backbone import Backbone
         from transformers import GPT2Config, GPT2LMHeadModel
+
+        from selfspec.core.backbone import Backbone
         Backbone(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))
 
 
@@ -121,7 +122,7 @@ def test_sampling_through_the_loop_matches_target_distribution(drafter):
     sm = _sm(model, drafter=drafter, tree="chain-2-w2" if drafter == "early-exit" else ((0,), (1,), (0, 0), (1, 0)),
              fit_width=False)
     temp, top_p = 0.9, 0.95
-    from selfspec.sampling import SamplingParams, probs_from_logits
+    from selfspec.core.sampling import SamplingParams, probs_from_logits
 
     params = SamplingParams(do_sample=True, temperature=temp, top_p=top_p)
     with torch.no_grad():

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from selfspec.cli import COMMANDS
 
 V = 97
@@ -70,6 +70,8 @@ def d(tmp_path_factory) -> Path:
     (root / "empty.jsonl").write_text("")
     (root / "noprompt.jsonl").write_text('{"prompt": "w3"}\n{"text": "w4"}\n')
     (root / "notjson.jsonl").write_text('{"prompt": "w3"}\nthis is not json\n')
+    (root / "nested.jsonl").write_text('{"prompt": "w3"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")   # too deep to parse
+    (root / "bad.yaml").write_text("steps: [1, 2\nlr: : 3\n")                   # malformed YAML
     (root / "emptyprompt.jsonl").write_text('{"prompt": ""}\n')
     (root / "fake.gguf").write_text("this is a text file, not a model\n")
     (root / "empty.gguf").write_bytes(b"")
@@ -82,7 +84,7 @@ def d(tmp_path_factory) -> Path:
     (root / "data" / "meta.json").write_text(json.dumps({"format": 1, "model": str(tiny)}))
     (root / "other-data").mkdir()                     # gen-data output of another model
     (root / "other-data" / "meta.json").write_text(json.dumps({"format": 1, "model": "some-other-model"}))
-    from selfspec.backbone import config_fingerprint
+    from selfspec.core.backbone import config_fingerprint
     from selfspec.corpus import Corpus
 
     for name, fp in (("corpus", config_fingerprint(model.config)), ("other-corpus", "0123456789abcdef")):
@@ -104,6 +106,7 @@ CASES = [
     ("generate-empty-stop", ["generate", "--prompt", "hi", "--stop", ""]),
     ("generate-min-p-above-one", "generate --prompt hi --temperature 0.7 --min-p 1.5"),
     ("generate-negative-min-new-tokens", "generate --prompt hi --min-new-tokens -1"),
+    ("generate-min-new-tokens-above-max", "generate --prompt hi --min-new-tokens 50 --max-new-tokens 10"),
     ("generate-zero-repetition-penalty", "generate --prompt hi --repetition-penalty 0"),
     ("generate-heads-for-lookup", "generate --prompt hi --drafter lookup --heads {d}/medusa"),
     ("generate-draft-model-for-medusa", "generate --prompt hi --drafter medusa --draft-model {d}/tiny"),
@@ -141,6 +144,7 @@ CASES = [
                                           "--repetition-penalty -1 --out {o}"),
     ("bench-row-without-prompt", "bench --model {d}/tiny --prompts {d}/noprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-json-line", "bench --model {d}/tiny --prompts {d}/notjson.jsonl --methods selfspec-ar --out {o}"),
+    ("bench-deeply-nested-json", "bench --model {d}/tiny --prompts {d}/nested.jsonl --methods selfspec-ar --out {o}"),
     ("bench-empty-prompts-file", "bench --model {d}/tiny --prompts {d}/empty.jsonl --methods selfspec-ar --out {o}"),
     ("bench-empty-prompt", "bench --model {d}/tiny --prompts {d}/emptyprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-empty-out", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar --out {d}/full"),
@@ -153,6 +157,7 @@ CASES = [
     # gen-data
     ("gen-data-batch-size-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --batch-size 0"),
     ("gen-data-non-json-line", "gen-data --model {d}/tiny --prompts {d}/notjson.jsonl --out {o}"),
+    ("gen-data-deeply-nested-json", "gen-data --model {d}/tiny --prompts {d}/nested.jsonl --out {o}"),
     ("gen-data-non-empty-out", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {d}/full"),
     ("gen-data-skip-stored-not-gen-data", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --skip-stored {d}/nodata"),
     # build-corpus
@@ -161,6 +166,8 @@ CASES = [
     ("build-corpus-another-models-data", "build-corpus --model {d}/tiny --data {d}/other-data --out {o}"),
     # train-heads / train-draft
     ("train-heads-steps-zero", "train-heads --model {d}/tiny --data {d}/data --out {o} --steps 0"),
+    ("train-heads-malformed-yaml-config", "train-heads --model {d}/tiny --data {d}/data --out {o} --config {d}/bad.yaml"),
+    ("train-heads-missing-config", "train-heads --model {d}/tiny --data {d}/data --out {o} --config {d}/no.yaml"),
     ("train-heads-unknown-mixed-precision", "train-heads --model {d}/tiny --data {d}/data --out {o} --mixed-precision fp8"),
     ("train-heads-negative-lr", "train-heads --model {d}/tiny --data {d}/data --out {o} --lr -0.001"),
     ("train-heads-existing-run", "train-heads --model {d}/tiny --data {d}/data --out {d}/run"),

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import chi2_check, hf_greedy, jitter, tiny_model
-from selfspec import decode as decode_mod
-from selfspec.backbone import Backbone
-from selfspec.cache import KVCache
-from selfspec.decode import decode_rows
+
+from selfspec.core import decode as decode_mod
+from selfspec.core.accept import greedy_accept, greedy_accept_rows
+from selfspec.core.backbone import Backbone
+from selfspec.core.cache import KVCache
+from selfspec.core.decode import decode_rows
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import build_tree, chain, chain_with_siblings
+from selfspec.core.types import DecodeState, Draft, Drafter, Resume
 from selfspec.drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter
-from selfspec.drafters.base import DecodeState, Draft, Drafter, Resume
 from selfspec.drafters.draft_model import truncated_copy
 from selfspec.model import SelfSpeculativeModel, untrained_heads
-from selfspec.sampling import SamplingParams
+from selfspec.runtime.step import StaticStep
 from selfspec.settings import MEDUSA_DEFAULT
-from selfspec.step import StaticStep
-from selfspec.tree import build_tree, chain, chain_with_siblings
-from selfspec.verify import greedy_accept, greedy_accept_rows
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
 GREEDY = SamplingParams()
@@ -198,7 +198,7 @@ def test_medusa_drafts_a_batch_in_one_call_exactly_as_row_by_row(token_input, on
 
 def _prefilled(bb, prompts, capture):
     """Greedy decode states of ``prompts`` prefilled as one batch (their first token chosen), and the prefill outputs."""
-    from selfspec.decode import prefill_rows
+    from selfspec.core.decode import prefill_rows
 
     cache = KVCache(len(prompts))
     outs = prefill_rows(bb, cache, prompts, capture=capture)
@@ -342,7 +342,7 @@ def char_tokenizer(vocab_size: int):
 def test_rows_stop_at_stop_strings_where_transformers_stops_them(step, one_thread):
     """stop_strings: every row, with every drafter, ends on the token transformers' generate(stop_strings=...)
     ends that prompt on alone (kept), whichever number of tokens the step that met it accepted."""
-    from selfspec.stopping import StopStrings
+    from selfspec.core.stopping import StopStrings
 
     model, bb, prompts, _, drafters = every_drafter("llama")
     tok = char_tokenizer(model.config.vocab_size)
@@ -578,7 +578,7 @@ def _exact(model, prompt, params, min_new_tokens=0, eos=0):
 
     from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-    from selfspec.sampling import probs_from_logits
+    from selfspec.core.sampling import probs_from_logits
 
     penalty = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
     floor = MinNewTokensLengthLogitsProcessor(len(prompt), min_new_tokens, eos)
@@ -607,6 +607,11 @@ class _CyclingWidths:
         self.cut += sum(int(c.numel() >= w) for c in chances)   # rows that lose nodes this step
         return w
 
+    def fit(self, drafts, widest, rows=None):
+        from selfspec.runtime.width import fit_width
+
+        return fit_width(drafts, self, widest, rows)
+
     def observe(self, rows, width, seconds):
         pass
 
@@ -628,14 +633,14 @@ class _OneNode(_CyclingWidths):
         return 2
 
 
-def _batched_counts(bb, drafter, prompts, params, batches, cost=None, eos=(), min_new_tokens=0):
+def _batched_counts(bb, drafter, prompts, params, batches, cost=None, eos=(), min_new_tokens=0, pace=None):
     """Rows alternate between the prompts (different lengths); counts of each prompt's first L tokens."""
     g = torch.Generator().manual_seed(3)
     counts = [{} for _ in prompts]
     rows = [torch.tensor(prompts[i % len(prompts)]) for i in range(ROWS)]
     for _ in range(batches):
         new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(eos), generator=g,
-                             cost=cost, min_new_tokens=min_new_tokens)
+                             cost=cost, min_new_tokens=min_new_tokens, pace=pace)
         for i, toks in enumerate(new):
             c = counts[i % len(prompts)]
             c[tuple(toks)] = c.get(tuple(toks), 0) + 1
@@ -659,7 +664,7 @@ def test_sampling_in_a_batch_is_lossless(fitted, one_thread, monkeypatch):
     with every step's trees cut to a width that cycles through every size (width fitting's cuts), and
     the head's drafting stopped at levels priced to stop at every depth (``budget.level_pays``);
     one-node: every tree cut to its root and one node."""
-    from selfspec import budget
+    from selfspec.runtime import width as budget
 
     decided = []
     real = budget.level_pays
@@ -681,7 +686,7 @@ def test_sampling_check_catches_a_cut_that_reads_the_drawn_tokens(one_thread, mo
     """Planted bug: width fitting scores a sampled node by the draft probability of the token drawn there
     (so a cut may keep a later-drawn sibling and drop the first), which recursive rejection sampling does
     not allow. Cut to one node a step, the same check must fail."""
-    from selfspec import budget
+    from selfspec.runtime import width as budget
 
     real = budget.path_p
 
@@ -739,7 +744,7 @@ def test_sampling_check_catches_a_penalty_blind_to_the_committed_text(one_thread
     """Planted bug: the tree's nodes penalised for the tokens on their own path only, not for the committed
     text before it (the prompt's and earlier steps' tokens). The same check must fail. (A penalty blind
     to the drafted path instead is caught by the greedy test above, whose oracle drafts are judged deep.)"""
-    from selfspec import sampling
+    from selfspec.core import sampling
 
     model, bb, _, prompts, drafter = _sampling_setup()
     real = sampling.penalize_repeats
@@ -757,7 +762,7 @@ def test_sampling_with_min_new_tokens_is_lossless(ban, one_thread, monkeypatch):
     min_new_tokens processor gives the target (EOS masked at every node still too early). Planted bug
     (root-only): EOS masked at each step's root alone, so a drafted node's bonus may be EOS; the same
     check must fail."""
-    from selfspec import sampling
+    from selfspec.core import sampling
 
     if ban == "root-only":
         real = sampling.target_logits
@@ -790,7 +795,7 @@ def test_static_mask_matches_the_eager_batch_mask():
     for b, t in enumerate(trees):
         anc[b, :t.size, :t.size] = t.ancestors
         visible.append(t.ancestors)
-    from selfspec.step import static_mask
+    from selfspec.runtime.step import static_mask
 
     got = static_mask(anc, torch.tensor(lengths), capacity, torch.float32)
     want = decode_mod.batch_mask(visible, lengths, n, torch.float32)

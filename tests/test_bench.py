@@ -6,10 +6,21 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from selfspec.bench.harness import (BASELINE, TIE_MARGIN, Method, Prompt, Run, compare_to_baseline, interleaved_order,
-                                    load_prompts, run_bench, tie_tolerance, top2_margin)
+
+from selfspec.bench.harness import (
+    BASELINE,
+    TIE_MARGIN,
+    Method,
+    Prompt,
+    Run,
+    compare_to_baseline,
+    interleaved_order,
+    load_prompts,
+    run_bench,
+    tie_tolerance,
+    top2_margin,
+)
 from selfspec.bench.methods import build_methods, parse_methods
 from selfspec.bench.report import decoding_mode, markdown, write_report
 
@@ -122,9 +133,6 @@ def test_tiny_end_to_end_bench_schema(tmp_path):
     assert "chat" in markdown(result) and ", greedy" in markdown(result).splitlines()[0]
     sampled = {**result, "config": {**result["config"], "temperature": 0.7, "decoding": decoding_mode(0.7)}}
     assert "sampling (T=0.7, top-p 1, top-k off)" in markdown(sampled).splitlines()[0]
-    assert "packed" not in markdown(result).splitlines()[0]
-    unpacked = {**result, "config": {**result["config"], "packed_products": False}}
-    assert markdown(unpacked).splitlines()[0].endswith(", packed CPU products off")
 
 
 def test_batched_bench_rows_match_and_refusals_are_reported(tmp_path):
@@ -218,7 +226,7 @@ def test_a_method_can_read_another_corpus_beside_its_own(tmp_path):
     """selfspec-lookup@CORPUS_DIR (and the heads drafters' likewise) reads that corpus in the same run as
     the method reading the run's own (an A/B of two corpora); the heads stay the method's own, and a
     corpus is refused after a method whose lookup reads none."""
-    from selfspec.backbone import config_fingerprint
+    from selfspec.core.backbone import config_fingerprint
     from selfspec.corpus import Corpus
 
     model = tiny_model("llama")

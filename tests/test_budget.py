@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from selfspec.backbone import Backbone
-from selfspec.budget import VerifyCost, best_width, level_pays, path_p, trim, verify_cost
-from selfspec.decode import decode_rows
+from test_batch import GREEDY, N_NEW, RowOracle, _alone, _prompts, every_drafter
+
+from selfspec.core.backbone import Backbone
+from selfspec.core.decode import decode_rows
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import build_tree, chain
+from selfspec.core.types import DecodeState, Draft, Resume
 from selfspec.drafters import LookupDrafter
-from selfspec.drafters.base import DecodeState, Draft, Resume, layout_path_p, prior_path_p
+from selfspec.drafters.base import layout_path_p, prior_path_p
 from selfspec.drafters.lookup import with_lookup
 from selfspec.model import SelfSpeculativeModel
-from selfspec.sampling import SamplingParams
+from selfspec.runtime.width import VerifyCost, best_width, level_pays, path_p, trim, verify_cost
 from selfspec.settings import COPY_ACCEPT_BY_MATCH, COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
-from selfspec.tree import build_tree, chain
-from test_batch import GREEDY, N_NEW, RowOracle, _alone, _prompts, every_drafter
 
 
 def test_best_width_weighs_expected_tokens_against_cost():
@@ -198,8 +199,8 @@ def test_a_static_step_is_priced_by_bucket_and_explored_bucket_by_bucket():
 def test_static_step_width_fitting_keeps_every_row_exact(arch, one_thread):
     """``compile=True``'s pass (here uncompiled: the same static shapes) with width fitting: the prior
     times each bucket through the step with the drafter's capture, steps are cut, every row exact."""
-    from selfspec.static import BUCKETS
-    from selfspec.step import StaticStep
+    from selfspec.runtime.static import BUCKETS
+    from selfspec.runtime.step import StaticStep
 
     model, bb, prompts, ref, drafters = every_drafter(arch)
     for drafter in drafters:
@@ -227,6 +228,11 @@ class _Cycling:
 
     def width(self, chances, widest, rows=None):
         return best_width(chances, self.table(len(chances), widest))
+
+    def fit(self, drafts, widest, rows=None):
+        from selfspec.runtime.width import fit_width
+
+        return fit_width(drafts, self, widest, rows)
 
     def observe(self, rows, width, seconds):
         self.seen.append(width)

@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import chi2_check, hf_greedy, tiny_model
-from selfspec.backbone import Backbone, config_fingerprint
+
+from selfspec.core.backbone import Backbone, config_fingerprint
+from selfspec.core.decode import decode, decode_rows
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import build_tree
 from selfspec.corpus import Corpus, load_corpus, read_corpus_config
-from selfspec.decode import decode, decode_rows
 from selfspec.drafters import EagleDrafter, LookupDrafter, MedusaDrafter
 from selfspec.model import SelfSpeculativeModel, untrained_heads
-from selfspec.sampling import SamplingParams
-from selfspec.tree import build_tree
 
 GREEDY = SamplingParams()
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.backbone import config_fingerprint
-from selfspec.io import prompt_ids
-from selfspec.shipped import shipped_heads
-from selfspec.heads import load_heads
+from selfspec.core.backbone import config_fingerprint
 from selfspec.drafters.draft_model import truncated_copy
+from selfspec.heads import load_heads
+from selfspec.io import prompt_ids
 from selfspec.model import SelfSpeculativeModel, untrained_heads
+from selfspec.shipped import shipped_heads
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -141,6 +141,7 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
 
         shipped = read_heads_config(shipped_heads("smollm2-135m", kind))
         assert sm.sampled_settings == resolve_settings(kind, shipped.decode, device=demo.model.device.type, sampling=True)
+        sm.fit_width = False   # how much a fitted step drafts follows this machine's timings; the verdict must not
         sm.generate(ids, max_new_tokens=N_NEW, do_sample=True, temperature=0.7,
                     generator=torch.Generator(device=demo.model.device).manual_seed(0))
         assert sm.last_stats.new_tokens > 0 and sm.last_stats.drafted > 0     # drafted, by that drafter
@@ -184,8 +185,10 @@ def test_demo_compiled_step_identical_to_transformers(demo, references):
     finishing before the others and idling in the static caches): every row is transformers' greedy
     output for its prompt alone. Small trees (3 nodes, no lookup) keep the compilation to the 1- and
     4-node buckets."""
+    # Width fitting off: how much a fitted step drafts follows this machine's timings, and the test's verdict must not.
     sm = SelfSpeculativeModel.from_pretrained("smollm2-135m", drafter="eagle", tree="dynamic-3-2-3", lookup=0,
-                                              device=demo.model.device, dtype=torch.float32, compile=True)
+                                              device=demo.model.device, dtype=torch.float32, compile=True,
+                                              fit_width=False)
     assert sm.step is not None and sm.step.compiled
     sm.drafter.static_head = True   # the default on CUDA only (settings.STATIC_EAGLE_HEAD_DEVICES): test it here too
     rows = [ids[0] for ids, _ in references]

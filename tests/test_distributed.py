@@ -11,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import cli_fork
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import cli_fork
-from test_kill_resume import _env, _gen_data, _run, _tokenizer, V  # noqa: F401  (the same tiny model and data)
 from conftest import tiny_model
+from safetensors.torch import load_file
+from test_kill_resume import V, _env, _gen_data, _run, _tokenizer  # noqa: F401  (the same tiny model and data)
 
 KINDS = {
     "medusa": ("selfspec.training.train", ["--kind", "medusa", "--num-heads", "2"]),

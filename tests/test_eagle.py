@@ -7,22 +7,21 @@ import itertools
 
 import pytest
 import torch
+from conftest import chi2_check, distill_dataset, hf_greedy, jitter, tiny_model
 from torch.nn import functional as F
 
-from conftest import chi2_check, distill_dataset, hf_greedy, jitter, tiny_model
-from selfspec import cache as kv
-from selfspec.backbone import Backbone, config_fingerprint
-from selfspec.decode import decode
-from selfspec.drafters.base import Draft
+from selfspec.core import cache as kv
+from selfspec.core.backbone import Backbone, config_fingerprint
+from selfspec.core.decode import decode
+from selfspec.core.sampling import SamplingParams, probs_from_logits
+from selfspec.core.tree import build_tree, parse_dynamic_tree
+from selfspec.core.types import Draft
 from selfspec.drafters.eagle import EagleDrafter
-from selfspec.tree import parse_dynamic_tree
 from selfspec.drafters.lookup import graft
 from selfspec.heads import load_heads
 from selfspec.model import untrained_heads
-from selfspec.sampling import SamplingParams, probs_from_logits
 from selfspec.training.split import Sequence
 from selfspec.training.tasks.eagle import pad_batch, target_pass
-from selfspec.tree import build_tree
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
 GREEDY = SamplingParams()
@@ -141,8 +140,8 @@ def test_eagle_batched_commit_matches_a_fresh_run_in_every_row(static, one_threa
     of different lengths, rows leaving): each row's head cache equals a fresh run over its tokens.
     Static: the head cache preallocated and written at tensor slots, each commit padded to a bucket
     and finished rows idling in it (``compile=True``'s head passes, here uncompiled)."""
-    from selfspec.decode import decode_rows
-    from selfspec.step import StaticStep
+    from selfspec.core.decode import decode_rows
+    from selfspec.runtime.step import StaticStep
 
     model = tiny_model("llama")
     bb = Backbone(model)
@@ -181,8 +180,8 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
     ``compile``): every step of a batch (ragged
     rows, rows stopping at different levels under a threshold, one row finishing early) drafts the
     trees, tokens and path probabilities the eager head drafts, and the output is the reference."""
-    from selfspec.decode import decode_rows
-    from selfspec.step import StaticStep
+    from selfspec.core.decode import decode_rows
+    from selfspec.runtime.step import StaticStep
 
     model = tiny_model("llama")
     bb = Backbone(model)
@@ -338,7 +337,7 @@ def _token_paths(draft: Draft) -> set:
 
 def test_dynamic_tree_keeps_the_best_paths_of_hand_built_distributions():
     g = torch.Generator().manual_seed(0)
-    from selfspec.drafters.base import DecodeState
+    from selfspec.core.types import DecodeState
 
     for trial in range(20):
         V = 7
@@ -605,8 +604,8 @@ def test_warm_start_may_add_or_drop_aux_layers(one_thread):
 def test_the_head_runs_static_where_settings_say_unless_told():
     """``static_head=None`` follows ``settings.STATIC_EAGLE_HEAD_DEVICES`` (CUDA: on CPU the compiled head
     measured slower than the eager one); True or False decide; without a static step it is always eager."""
+    from selfspec.runtime.step import StaticStep
     from selfspec.settings import STATIC_EAGLE_HEAD_DEVICES
-    from selfspec.step import StaticStep
 
     model = tiny_model("llama")
     bb = Backbone(model)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, tiny_model
-from selfspec import cache as kv
-from selfspec.backbone import Backbone
-from selfspec.decode import decode
+
+from selfspec.core import cache as kv
+from selfspec.core.backbone import Backbone
+from selfspec.core.decode import decode
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import build_tree, chain, chain_with_siblings
+from selfspec.core.types import DecodeState, Draft, Drafter
 from selfspec.drafters import DraftModelDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
-from selfspec.drafters.base import DecodeState, Draft, Drafter
 from selfspec.model import untrained_heads
-from selfspec.sampling import SamplingParams
 from selfspec.settings import MEDUSA_DEFAULT
-from selfspec.tree import build_tree, chain, chain_with_siblings
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
 GREEDY = SamplingParams()

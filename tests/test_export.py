@@ -9,15 +9,15 @@ import json
 
 import pytest
 import torch
+from conftest import hf_greedy, jitter, tiny_model
+from engine_readers import Eagle3Draft, MedusaHeads
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import hf_greedy, jitter, tiny_model
-from engine_readers import Eagle3Draft, MedusaHeads
-from selfspec import cache as kv
-from selfspec.backbone import Backbone, config_fingerprint
 from selfspec.cli import main
-from selfspec.decode import prefill
+from selfspec.core import cache as kv
+from selfspec.core.backbone import Backbone, config_fingerprint
+from selfspec.core.decode import prefill
 from selfspec.export import export_heads
 from selfspec.heads import Heads, build_heads, load_heads, save_heads
 from selfspec.model import SelfSpeculativeModel, untrained_heads

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import tiny_model
-from selfspec.model import untrained_heads
 from selfspec.heads import save_heads
+from selfspec.model import untrained_heads
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -18,10 +18,9 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+import cli_fork
 import pytest
 import torch
-
-import cli_fork
 from conftest import tiny_model
 
 V = 97

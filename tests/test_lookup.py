@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, tiny_model
-from selfspec.backbone import Backbone
-from selfspec.decode import decode
+
+from selfspec.core.backbone import Backbone
+from selfspec.core.decode import decode
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import build_tree
+from selfspec.core.types import DecodeState, Draft
 from selfspec.drafters import LookupDrafter, MedusaDrafter
-from selfspec.drafters.lookup import (MAX_NGRAM, chain_nodes, context_match, copied_chain, copy_prior, graft,
-                                      grafted_path_p)
+from selfspec.drafters.lookup import (
+    MAX_NGRAM,
+    chain_nodes,
+    context_match,
+    copied_chain,
+    copy_prior,
+    graft,
+    grafted_path_p,
+    with_lookup,
+)
 from selfspec.model import SelfSpeculativeModel, untrained_heads
-from selfspec.sampling import SamplingParams
-from selfspec.drafters.base import DecodeState, Draft
-from selfspec.drafters.lookup import with_lookup
-from selfspec.tree import build_tree
 
 
 def test_match_follows_the_longest_then_latest_earlier_match():

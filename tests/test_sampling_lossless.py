@@ -12,11 +12,11 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import chi2_check
-from selfspec.sampling import SamplingParams, probs_from_logits
-from selfspec.tree import build_tree, chain, prune
-from selfspec.verify import rejection_accept_chain, rejection_accept_tree
+
+from selfspec.core.accept import rejection_accept_chain, rejection_accept_tree
+from selfspec.core.sampling import SamplingParams, probs_from_logits
+from selfspec.core.tree import build_tree, chain, prune
 
 V, L, N = 5, 3, 12000
 

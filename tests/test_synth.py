@@ -5,10 +5,9 @@ import subprocess
 import sys
 
 import pytest
-
-from selfspec.training.synth import clean_proposal, few_shot_request, synthesize_prompts
 from test_training_data import make_model, make_tokenizer
 
+from selfspec.training.synth import clean_proposal, few_shot_request, synthesize_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

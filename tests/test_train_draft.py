@@ -9,16 +9,16 @@ import torch
 from conftest import distill_dataset, hf_greedy, tiny_model
 from safetensors.torch import load_file
 
-from selfspec.backbone import Backbone, config_fingerprint
-from selfspec.decode import decode
+from selfspec.core.backbone import Backbone, config_fingerprint
+from selfspec.core.decode import decode
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import build_tree, chain
 from selfspec.drafters import DraftModelDrafter
-from selfspec.sampling import SamplingParams
 from selfspec.training.checkpoint import STATE_FILE
 from selfspec.training.draft import DraftConfig, materialize_draft, train_draft
 from selfspec.training.features import target_view
 from selfspec.training.split import collate, to_sequences
 from selfspec.training.tasks.draft import META_FILE, draft_loss, make_student, trained_names
-from selfspec.tree import build_tree, chain
 
 V = 97
 

@@ -11,14 +11,15 @@ import torch
 from conftest import distill_dataset, hf_greedy, tiny_model
 from torch.nn import functional as F
 
-from selfspec.backbone import config_fingerprint
+from selfspec.core.backbone import config_fingerprint
 from selfspec.heads import load_heads, read_heads_config
 from selfspec.model import SelfSpeculativeModel
 from selfspec.settings import DecodeSettings
-from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
 from selfspec.training.checkpoint import STATE_FILE
+from selfspec.training.losses import exit_loss, medusa_loss, to_subset_ids
 from selfspec.training.split import GROUP_BATCHES, batch_indices, collate, frequent_vocab, to_sequences
 from selfspec.training.train import TrainConfig, train_heads
+
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path, monkeypatch):
@@ -418,9 +419,8 @@ def test_sampled_settings_are_what_auto_gives_a_sampled_generate(tmp_path):
 def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_one(tmp_path, capsys):
     from selfspec.card import card
     from selfspec.cli import main
-    from selfspec.heads import save_heads
+    from selfspec.heads import SAMPLED_SEARCH_FILE, SEARCH_FILE, save_heads
     from selfspec.model import untrained_heads
-    from selfspec.heads import SAMPLED_SEARCH_FILE, SEARCH_FILE
     from selfspec.training.tune import _record, _rule, pick_settings, tune_tree
 
     torch.set_num_threads(1)
@@ -464,12 +464,11 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
 def test_settings_tuned_on_a_gpu_are_what_auto_reads_there_and_the_cpu_keeps_its_own(tmp_path, capsys):
     from selfspec.card import card
     from selfspec.cli import main
-    from selfspec.heads import save_heads
+    from selfspec.core.tree import parse_dynamic_tree
+    from selfspec.heads import SEARCH_FILE, recorded_devices, save_heads, search_file
     from selfspec.model import untrained_heads
+    from selfspec.runtime.static import BUCKETS
     from selfspec.settings import resolve_settings
-    from selfspec.tree import parse_dynamic_tree
-    from selfspec.static import BUCKETS
-    from selfspec.heads import SEARCH_FILE, recorded_devices, search_file
     from selfspec.training.tune import EAGLE_GRID, EAGLE_WIDE, Candidate, _record, _rule, eagle_grid
 
     # A GPU times wide trees too, none over the largest static bucket with its root and copied tokens.
@@ -704,7 +703,7 @@ def test_rank_accuracy_skips_heads_a_short_response_cannot_reach():
 
 def _brute_force_top1(model, heads, seqs):
     """Per head: share of decode positions t whose drafted top-1 (one fresh forward of ids[:t + 1]) is right."""
-    from selfspec.backbone import Backbone
+    from selfspec.core.backbone import Backbone
 
     bb, vocab = Backbone(model), heads.draft_vocab
     w = bb.lm_head.weight if vocab is None else bb.lm_head.weight[vocab]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec import cache as kv
-from selfspec.sampling import SamplingParams, pick_candidates, probs_from_logits
-from selfspec.tree import build_tree, chain, chain_with_siblings, parse_tree, subtree
-from selfspec.verify import greedy_accept, rejection_accept_chain
+from selfspec.core import cache as kv
+from selfspec.core.accept import greedy_accept, rejection_accept_chain
+from selfspec.core.sampling import SamplingParams, pick_candidates, probs_from_logits
+from selfspec.core.tree import build_tree, chain, chain_with_siblings, parse_tree, subtree
 
 
 def test_tree_builder_shapes_mask_positions():
@@ -230,7 +230,7 @@ def test_pick_candidates_without_replacement_and_padding():
 
 
 def test_tree_from_rank_accuracy_is_best_first_and_prefix_closed():
-    from selfspec.tree import tree_from_rank_accuracy
+    from selfspec.core.tree import tree_from_rank_accuracy
 
     acc = ((0.6, 0.2, 0.1), (0.5, 0.2), (0.4,))
     paths = tree_from_rank_accuracy(acc, 5)
@@ -243,7 +243,7 @@ def test_tree_from_rank_accuracy_is_best_first_and_prefix_closed():
 
 
 def test_prune_keeps_confident_prefix_closed_paths():
-    from selfspec.tree import prune
+    from selfspec.core.tree import prune
 
     tree = build_tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
     # node:            root (0,)  (1,)  (0,0) (0,1) (1,0) (0,0,0)
@@ -308,7 +308,7 @@ def test_repetition_penalty_at_each_tree_node_is_transformers_on_that_nodes_text
     the context plus the path root..i (the root's token is the context's last)."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from selfspec.sampling import penalize_repeats
+    from selfspec.core.sampling import penalize_repeats
 
     tree = build_tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
     context = [3, 7, 7, 1]

@@ -9,18 +9,18 @@ import warnings
 
 import torch
 
+from ..core.backbone import config_fingerprint
+from ..corpus import is_corpus_dir, load_corpus, read_corpus_config
 from ..heads import read_heads_config
 from ..io import prompt_ids
 from ..loading import check_model_name, load_model
-from ..backbone import config_fingerprint
-from ..corpus import is_corpus_dir, load_corpus, read_corpus_config
-from ..settings import (CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS,
-                        check_settings)
+from ..settings import CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
 from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, DRAFT_METHODS, load_prompts, run_bench
 from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, resolve_auto, split_variant
 from .report import decoding_mode, markdown, write_report
+
 
 def add_bench_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")

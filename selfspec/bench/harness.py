@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from ..backbone import Backbone
-from ..decode import DecodeStats
+from ..core.backbone import Backbone
+from ..core.decode import DecodeStats
 
 BASELINE = "hf-generate"
 # Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.
@@ -108,6 +108,9 @@ def _read_prompts(path: str | Path, *, limit: int | None) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise ValueError(f"{path}:{i + 1} is not valid JSON: each line must be one JSON object") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{i + 1} is JSON nested too deeply to read: each line must be one flat JSON "
+                             "object") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{i + 1} has no \"prompt\" string: give each line a {{\"prompt\": ...}} object")
         if not row["prompt"].strip():

@@ -10,13 +10,13 @@ import torch
 import transformers
 from packaging.version import Version
 
-from ..backbone import Backbone, config_fingerprint
+from ..core.backbone import Backbone, config_fingerprint
+from ..corpus import Corpus, is_corpus_dir, load_corpus, read_corpus_config
 from ..heads import load_heads
 from ..model import SelfSpeculativeModel, untrained_heads
+from ..runtime.step import StaticStep
 from ..settings import default_exit_layer
-from ..corpus import Corpus, is_corpus_dir, load_corpus, read_corpus_config
 from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter
-from ..step import StaticStep
 from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, BASELINE, DRAFT_METHODS, Method
 
 # The name generate() takes a cache under: transformers 5.24 renamed past_key_values to cache (the old

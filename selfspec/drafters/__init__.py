@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.tree import Tree, build_tree
+from ..core.types import DecodeState, Draft, Drafter, Resume, TargetOut, plain_draft
 from ..settings import DRAFTER_SETTINGS, check_drafter_name
-from ..tree import Tree, build_tree
-from .base import DecodeState, Draft, Drafter, Resume, TargetOut
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .early_exit import EarlyExitDrafter
@@ -21,9 +21,10 @@ class NoDrafter(Drafter):
 
     def __init__(self, device: torch.device):
         self.tree = build_tree((), str(device))
+        self.device = device
 
     def draft(self, state: DecodeState) -> Draft:
-        return Draft(tree=self.tree, tokens=torch.tensor([state.ids[-1]], device=self.tree.parents.device))
+        return plain_draft(state, self.device)
 
 
 DRAFTERS: dict[str, type[Drafter]] = {

@@ -33,11 +33,12 @@ import functools
 import torch
 from torch.nn import functional as F
 
-from .. import cache as kv
-from ..backbone import Backbone
-from ..tree import Tree, additive_mask
-from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_threshold, layout, pruned, row_candidates
+from ..core import cache as kv
+from ..core.accept import Accepted
+from ..core.backbone import Backbone
+from ..core.tree import Tree, additive_mask
+from ..core.types import DecodeState, Draft, Drafter, TargetOut
+from .base import check_threshold, layout, pruned, row_candidates
 
 
 def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
@@ -179,6 +180,8 @@ class DraftModelDrafter(Drafter):
 
     def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
         # The cache saw the old pending token and the drafts fed this step; accepted drafts stay valid.
-        valid = len(state.ids) - 1 - accepted.num_accepted + min(accepted.num_accepted, self.fed)
-        self.cache.row(self.row).truncate(valid)
-        self.seen = valid
+        # A step it did not draft (a plain step of the back-off) fed nothing: the cache stays where it was.
+        row = self.cache.row(self.row)
+        valid = min(len(state.ids) - 1 - accepted.num_accepted + min(accepted.num_accepted, self.fed), row.get_seq_length())
+        row.truncate(valid)
+        self.seen, self.fed = valid, 0

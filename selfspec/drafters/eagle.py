@@ -53,32 +53,45 @@ import functools
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
 
-from .. import cache as kv
-from ..backbone import Backbone
+from ..core import cache as kv
+from ..core.accept import Accepted
+from ..core.backbone import Backbone
+from ..core.sampling import pick_candidates, probs_from_logits
+from ..core.tree import Tree, additive_mask, check_dynamic_tree, subtree, tree_tensors
+from ..core.types import DecodeState, Draft, Drafter, TargetOut
 from ..corpus import Corpus
 from ..heads import Heads, heads_in_dtype
-from ..sampling import pick_candidates, probs_from_logits
 from ..settings import STATIC_EAGLE_HEAD_DEVICES
-from ..static import StaticFunction, bucket
-from ..tree import additive_mask, check_dynamic_tree, subtree
-from ..verify import Accepted
-from .base import DecodeState, Draft, Drafter, TargetOut, check_lookup, check_threshold, full_vocab
+from .base import check_lookup, check_threshold, full_vocab
 from .lookup import with_lookup
 
 if TYPE_CHECKING:
-    from ..budget import VerifyCost
-    from ..step import StaticStep
+    from ..runtime.step import StaticStep
+    from ..runtime.width import VerifyCost
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """Every node a step drafted, per row (node 0 = the root; level by level, as ``_grow`` appends them)."""
+
+    tokens: torch.Tensor            # (R, P) token ids
+    parents: torch.Tensor           # (R, P) pool id of each node's parent (root: -1)
+    scores: torch.Tensor            # (R, P) log path score (greedy: log path probability)
+    q: torch.Tensor | None          # (R, rows, V_draft) the distributions drawn from (sampling)
+    frontiers: list                 # per level after the first: (R, k) pool ids of the nodes expanded
+    levels: list[int]               # per row: levels drafted
 
 
 class EagleDrafter(Drafter):
     name = "eagle"
     static_step: "StaticStep | None" = None   # the verify step the head's static passes match (use_step)
-    _static: StaticFunction | None = None     # ``_static_pass``, compiled as that step is
+    _static = None                            # ``_static_pass``, compiled as that step is (``step.function``)
     # Width fitting's prices (``use_cost``): with them, drafting stops at the level that would not pay.
     cost: "VerifyCost | None" = None
     cost_rows: int | None = None              # the rows its passes run (a static step's); None: the live rows
@@ -128,7 +141,7 @@ class EagleDrafter(Drafter):
         keeps of its parent's chance), for the ``active`` rows. Priced by the pass's cost curve and the
         last levels' measured seconds at this many rows; unmeasured (the first level drafted at a row
         count), it pays, and is measured."""
-        from ..budget import level_pays   # budget imports the drafters' package
+        from ..runtime.width import level_pays  # budget imports the drafters' package
 
         seen = self.level_s.get(len(active))
         if not seen:
@@ -249,17 +262,22 @@ class EagleDrafter(Drafter):
         return drafters[0]._grow(drafters, states)
 
     def _grow(self, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
+        """Every row's tree: each level of all rows in one head call, then the cut (``_cut``), as tensor ops
+        on the model's device. Nothing is read back to the host unless a threshold is set or width fitting
+        prices each level (``use_cost``): then one read of the level's scores per level, for all rows."""
         dev, k, R = self.backbone.device, self.expand, len(drafters)
         sampling = states[0].params.do_sample
+        reads = self.threshold > 0 or (self.cost is not None and self.level_stop)
+        newest = max(d.committed for d in drafters)                                             # (host)
         committed = torch.tensor([d.committed for d in drafters], device=dev)                     # (R,)
         past = torch.tensor([s.past_len for s in states], device=dev)
         prev = torch.cat([d.root_state for d in drafters])   # (R, m, H) output states of the last level run
         H = prev.shape[-1]
         # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
-        t_step = time.perf_counter()
+        t_step = time.perf_counter() if reads else 0.0
         cand, score, q = self._candidates(self._logits(prev[:, 0]), states[0])               # (R, k)
-        rho = score[:, 0].float().exp()                 # (R,) the last level's mean top probability (budget)
+        rho = score[:, 0].float().exp()                 # (R,) the last level's mean top probability (width fitting)
         tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
         parents = [torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.long, device=dev)]
         scores = [torch.zeros(R, 1, device=dev), score.float()]
@@ -267,87 +285,140 @@ class EagleDrafter(Drafter):
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
         anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
         start, levels, frontiers = 1, [1] * R, []
-        active = list(range(R))
+        active, a = list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
             best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
             top_scores = scores[-1].gather(1, best)
-            read = None
-            if self.cost is not None and self.level_stop:   # one read for all rows (on a GPU, one synchronisation)
+            if reads:   # one read for all rows (on a GPU, one synchronisation)
                 n = sum(x.shape[1] for x in scores) - 1
                 read = torch.cat(scores[1:] + [top_scores, rho.clamp(min=1e-30).log()[:, None]], 1).float().cpu()
-            if self.threshold > 0:   # every deeper path of a row scores lower still: such a row drafts no further
-                row_best = (top_scores[:, 0] if read is None else read[:, n]).tolist()   # (one read, as above)
-                active = [b for b in active if row_best[b] >= self.log_threshold]
-                if not active:
-                    break
-            if read is not None:
-                now = time.perf_counter()
-                if d > 1:                              # the level just drafted, up to its scores' read
-                    self.level_s.setdefault(ran, deque(maxlen=3)).append(now - t_level)
-                children = (read[:, n:n + k] + read[:, n + k:]).exp()   # best nodes' chances x rho
-                if not self._level_pays(read[:, :n].exp(), children, active, now - t_step):
-                    break
-                t_level, ran = time.perf_counter(), len(active)
+                if self.threshold > 0:   # every deeper path of a row scores lower still: it drafts no further
+                    active = [b for b in active if float(read[b, n]) >= self.log_threshold]
+                    if not active:
+                        break
+                if self.cost is not None and self.level_stop:
+                    now = time.perf_counter()
+                    if d > 1:                              # the level just drafted, up to its scores' read
+                        self.level_s.setdefault(ran, deque(maxlen=3)).append(now - t_level)
+                    children = (read[:, n:n + k] + read[:, n + k:]).exp()   # best nodes' chances x rho
+                    if not self._level_pays(read[:, :n].exp(), children, active, now - t_step):
+                        break
+                    t_level, ran = time.perf_counter(), len(active)
+                a = torch.tensor(active, device=dev)
             top = start + best                                                                  # (R, k) pool ids
             frontiers.append(top)
-            a = torch.tensor(active, device=dev)
             top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))               # (R, k, d - 1)
             # Each runs in slot past + d - 1, reading its parent's output state.
             feature = prev.gather(1, fidx.gather(1, best)[..., None].expand(-1, -1, H))          # (R, k, H)
             if self.static_step is not None:   # every row at the static shape; the inactive rows' states unused
                 run = self._static_level(drafters, feature, tokens[-1].gather(1, best),
                                          (past + d - 1)[:, None].expand(-1, k), committed, top_anc, d)[a]
+            elif len(active) == R:
+                run = self._run(feature, tokens[-1].gather(1, best), (past + d - 1)[:, None].expand(-1, k),
+                                self._level_mask(committed, top_anc, d, newest), rows=[x.row for x in drafters])
             else:
                 run = self._run(feature[a], tokens[-1].gather(1, best)[a], (past[a] + d - 1)[:, None].expand(-1, k),
-                                self._level_mask(committed[a], top_anc[a], d), rows=[drafters[b].row for b in active])
-            prev = run.new_zeros(R, k, H).index_copy_(0, a, run)
+                                self._level_mask(committed[a], top_anc[a], d, max(drafters[b].committed for b in active)),
+                                rows=[drafters[b].row for b in active])
+            prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)
             cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
             A = len(active)
-            rho = torch.zeros(R, device=dev).index_copy_(0, a, score.float().view(A, k, k)[:, :, 0].exp().mean(1))
-            tokens.append(torch.zeros(R, k * k, dtype=torch.long, device=dev).index_copy_(
-                0, a, self._to_ids(cand).reshape(A, k * k)))
+            level = score.float().view(A, k, k)
+            if A < R:
+                level = level.new_full((R, k, k), -math.inf).index_copy_(0, a, level)
+                ids = torch.zeros(R, k * k, dtype=torch.long, device=dev).index_copy_(
+                    0, a, self._to_ids(cand).reshape(A, k * k))
+            else:
+                ids = self._to_ids(cand).reshape(R, k * k)
+            rho = level[:, :, 0].exp().mean(1)
+            tokens.append(ids)
             parents.append(top.repeat_interleave(k, dim=1))
-            scores.append(torch.full((R, k * k), -math.inf, device=dev).index_copy_(
-                0, a, (top_scores[a][:, :, None] + score.float().view(A, k, k)).reshape(A, k * k)))
+            scores.append((top_scores[:, :, None] + level).reshape(R, k * k))
             if sampling:
-                qs.append(q.new_zeros(R, k, q.shape[-1]).index_copy_(0, a, q.view(A, k, -1)))
+                qs.append(q.view(A, k, -1) if A == R else q.new_zeros(R, k, q.shape[-1]).index_copy_(0, a, q.view(A, k, -1)))
             fidx = torch.arange(k, device=dev).repeat_interleave(k)[None].expand(R, -1)
             own = torch.arange(k, device=dev)[None, :, None].expand(R, k, 1)
             anc = torch.cat([top_anc, own], dim=2).repeat_interleave(k, dim=1)
             start += tokens[-2].shape[1]
             for b in active:
                 levels[b] += 1
-        tokens, parents, scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+        pool = _Pool(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), scores=torch.cat(scores, 1),
+                     q=torch.cat(qs, 1) if sampling else None, frontiers=frontiers, levels=levels)
+        drafts = self._cut(pool, sampling) if self.threshold <= 0 and len(set(levels)) == 1 else \
+            [self._cut_row(pool, b, sampling) for b in range(R)]
+        return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
+                for d, s in zip(drafts, states)]
+
+    def _pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a pool of L levels: each node's rank among its siblings, its depth, and the q row it was drawn
+        from (level 1's is the root's, row 0; a child of place j in level d's run, 1 + (d - 1) k + j), (P,) each."""
+        k, dev = self.expand, self.backbone.device
         ranks = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.arange(k, device=dev)]
-                          + [torch.arange(k, device=dev).repeat(k)] * (len(frontiers)))
-        # Each node's q row: level 1's is the root's (row 0); a child of place j in level d's run, 1 + (d - 1) k + j.
+                          + [torch.arange(k, device=dev).repeat(k)] * (L - 1))
+        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.ones(k, dtype=torch.long, device=dev)]
+                           + [torch.full((k * k,), d + 2, dtype=torch.long, device=dev) for d in range(L - 1)])
         qrows = torch.cat([torch.zeros(1 + k, dtype=torch.long, device=dev)]
-                          + [1 + d * k + torch.arange(k, device=dev).repeat_interleave(k) for d in range(len(frontiers))])
-        q_all = torch.cat(qs, 1) if sampling else None
+                          + [1 + d * k + torch.arange(k, device=dev).repeat_interleave(k) for d in range(L - 1)])
+        return ranks, depths, qrows
+
+    def _cut(self, pool: "_Pool", sampling: bool) -> list[Draft]:
+        """Every row's tree out of its pool, all rows at once on the device (every row drafted ``L`` levels).
+
+        Greedy (EAGLE-2): the ``nodes`` best-scored nodes of the pool. A child never outscores its parent and
+        ties go to the lower pool id (the parent's), so the kept set is a tree. Sampling: a beam, the best
+        ``expand`` of every level, decided by the parents' distributions alone."""
+        k, L, R = self.expand, pool.levels[0], pool.tokens.shape[0]
+        P = 1 + k + (L - 1) * k * k
+        dev = pool.tokens.device
+        if sampling:
+            last = P - (k if L == 1 else k * k) + torch.sort(-pool.scores[:, P - (k if L == 1 else k * k): P], dim=1,
+                                                             stable=True).indices[:, :k]
+            keep = torch.cat(pool.frontiers[: L - 1] + [last], dim=1)
+        else:
+            keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
+        nodes = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)   # (R, n)
+        n = nodes.shape[1]
+        # Renumber: pool id -> place in the row's tree; a kept node's parent is kept, so every lookup hits.
+        place = torch.full((R, P), -1, dtype=torch.long, device=dev).scatter_(
+            1, nodes, torch.arange(n, device=dev).expand(R, n))
+        parents = place.gather(1, pool.parents[:, :P].gather(1, nodes).clamp(min=0))
+        parents[:, 0] = -1
+        ranks, depths, qrows = self._pool_layout(L)
+        _, ancestors = tree_tensors(parents, max_depth=L)
+        tokens = pool.tokens.gather(1, nodes)
+        path_p = pool.scores.gather(1, nodes).exp()
         drafts = []
-        for b, s in enumerate(states):
-            L = levels[b]
-            n = 1 + k + (L - 1) * k * k                 # this row's pool
-            score_b, parents_b = scores[b, :n], parents[b, :n]
-            if sampling:   # a beam: the best k of every level, decided by the parents' distributions alone
-                lvl = torch.arange(n - (k if L == 1 else k * k), n, device=dev)
-                last = lvl[torch.sort(-score_b[lvl], stable=True).indices[:k]]
-                keep = torch.cat([f[b] for f in frontiers[: L - 1]] + [last])
-            else:          # EAGLE-2: the best ``nodes`` of all drafted
-                keep = torch.sort(-score_b[1:], stable=True).indices[: self.nodes] + 1
-            if self.threshold > 0:
-                keep = keep[score_b[keep].exp() >= self.threshold]
-                keep = keep[self._closed(keep, parents_b)]
-            keep, _ = torch.sort(keep)                     # pool order: parents before children
-            nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep])
-            tree = subtree(parents_b, ranks[:n], nodes, max_depth=self.depth)
-            q_full, q_index = None, None
-            if sampling:
-                q_full = full_vocab(q_all[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
-                q_index = qrows[nodes]
-            draft = Draft(tree=tree, tokens=tokens[b, nodes], q=q_full, q_index=q_index, path_p=score_b[nodes].exp())
-            drafts.append(with_lookup(draft, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus))
+        for b in range(R):
+            tree = Tree(parents=parents[b], depths=depths[nodes[b]], ranks=ranks[nodes[b]], ancestors=ancestors[b])
+            q_full = None if not sampling else full_vocab(pool.q[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
+            drafts.append(Draft(tree=tree, tokens=tokens[b], q=q_full, q_index=qrows[nodes[b]] if sampling else None,
+                                path_p=path_p[b]))
         return drafts
+
+    def _cut_row(self, pool: "_Pool", b: int, sampling: bool) -> Draft:
+        """``_cut`` for one row whose pool differs from the others' (a threshold: on the host, row by row)."""
+        k, L = self.expand, pool.levels[b]
+        dev = pool.tokens.device
+        n = 1 + k + (L - 1) * k * k                 # this row's pool
+        score_b, parents_b = pool.scores[b, :n], pool.parents[b, :n]
+        if sampling:
+            lvl = torch.arange(n - (k if L == 1 else k * k), n, device=dev)
+            last = lvl[torch.sort(-score_b[lvl], stable=True).indices[:k]]
+            keep = torch.cat([f[b] for f in pool.frontiers[: L - 1]] + [last])
+        else:
+            keep = torch.sort(-score_b[1:], stable=True).indices[: self.nodes] + 1
+        if self.threshold > 0:
+            keep = keep[score_b[keep].exp() >= self.threshold]
+            keep = keep[self._closed(keep, parents_b)]
+        keep, _ = torch.sort(keep)                     # pool order: parents before children
+        nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep])
+        ranks, _, qrows = self._pool_layout(L)
+        tree = subtree(parents_b, ranks[:n], nodes, max_depth=self.depth)
+        q_full, q_index = None, None
+        if sampling:
+            q_full = full_vocab(pool.q[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
+            q_index = qrows[nodes]
+        return Draft(tree=tree, tokens=pool.tokens[b, nodes], q=q_full, q_index=q_index, path_p=score_b[nodes].exp())
 
     # ------------------------------------------------------------------ static shapes (compile=True)
     def use_step(self, step: StaticStep | None) -> None:
@@ -364,7 +435,7 @@ class EagleDrafter(Drafter):
     def _head_capacity(self) -> int:
         """Slots per row of the static head cache: the verify step's capacity plus one step's draft levels
         and a padded commit."""
-        return self.static_step.capacity + self.depth * self.expand + bucket(self.max_nodes)
+        return self.static_step.capacity + self.depth * self.expand + self.static_step.bucket(self.max_nodes)
 
     def _longest_path(self) -> int:
         """The most slots one step can commit: a tree's deepest path (drafted or copied) plus its root."""
@@ -386,7 +457,7 @@ class EagleDrafter(Drafter):
         idx = lambda n: torch.arange(n, device=dev)[None].repeat(batch, 1)   # noqa: E731
         self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
                      idx(k), idx(k)[..., None].repeat(1, 1, self.depth), False)
-        for n in sorted({bucket(m) for m in range(1, self._longest_path() + 1)}):   # (no two inputs alias, as in decoding)
+        for n in sorted({self.static_step.bucket(m) for m in range(1, self._longest_path() + 1)}):   # (no two inputs alias, as in decoding)
             self._static(keys, values, torch.zeros(batch, n, A, dtype=self.dtype, device=dev), idx(n), idx(n), idx(n),
                          idx(n), idx(n)[..., None], True)
         self._head_storage.release(cache)
@@ -444,7 +515,7 @@ class EagleDrafter(Drafter):
         (the padding's slots lie where the next step's drafts write before anything reads them)."""
         dev = self.backbone.device
         sizes = [len(a.path) for a in accepted]
-        N = bucket(max(sizes))
+        N = self.static_step.bucket(max(sizes))
         starts = torch.tensor([d.committed for d in drafters], device=dev)
         aux = torch.zeros(len(drafters), N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
         tokens = torch.zeros(len(drafters), N, dtype=torch.long, device=dev)
@@ -467,12 +538,13 @@ class EagleDrafter(Drafter):
         """(r, H) output states -> (r, V_draft) draft logits."""
         return self.project(self.head.scored(states))
 
-    def _level_mask(self, committed: torch.Tensor, anc: torch.Tensor, d: int) -> torch.Tensor:
+    def _level_mask(self, committed: torch.Tensor, anc: torch.Tensor, d: int, newest: int) -> torch.Tensor:
         """(A, 1, k, T) additive mask for level d's run of A rows: each row's committed slots, each node's
-        drafted ancestors' slots (anc: (A, k, d - 1), their places in levels 1 .. d - 1) and its own."""
+        drafted ancestors' slots (anc: (A, k, d - 1), their places in levels 1 .. d - 1) and its own.
+        newest: the most committed slots of any of the rows (known on the host)."""
         A, k = anc.shape[:2]
         spec = (d - 1) * self.expand                     # speculative slots already in each row's cache
-        T = int(committed.max()) + spec + k
+        T = newest + spec + k
         dev = committed.device
         visible = (torch.arange(T, device=dev)[None, None, :] < committed[:, None, None]).expand(A, k, T).clone()
         slots = committed[:, None, None] + torch.cat(

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backbone import Backbone
-from .. import cache as kv
+from ..core import cache as kv
+from ..core.accept import Accepted
+from ..core.backbone import Backbone
+from ..core.tree import Tree, additive_mask
+from ..core.types import DecodeState, Draft, Drafter, Resume, TargetOut
 from ..heads import ExitLayerHead, Heads
-from ..tree import Tree, additive_mask
-from ..verify import Accepted
-from .base import (DecodeState, Draft, Drafter, Resume, TargetOut, check_threshold, draft_head, layout, pruned,
-                   row_candidates, tree_width)
+from .base import check_threshold, draft_head, layout, pruned, row_candidates, tree_width
 
 
 class EarlyExitDrafter(Drafter):
@@ -110,6 +110,7 @@ class EarlyExitDrafter(Drafter):
         missing = list(accepted.path[seen:])            # at most one node: chain node k or a leaf
         if missing:
             self._adapt(out.captured[0][:, missing], self._positions(past + seen, len(missing)))
+        self.drafted = 0   # a step it does not draft (a plain step of the back-off) ran no node through the adapter
 
     @torch.no_grad()
     def draft(self, state: DecodeState) -> Draft:

@@ -41,11 +41,19 @@ from collections.abc import Sequence
 
 import torch
 
+from ..core.tree import Path, Tree, build_tree
+from ..core.types import DecodeState, Draft, Drafter
 from ..corpus import Corpus
-from ..settings import (COPY_ACCEPT_BY_MATCH, COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT, COPY_ACCEPT_SAMPLED_BY_MATCH,
-                        COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT, DEFAULT_LOOKUP)
-from ..tree import Path, Tree, build_tree
-from .base import DecodeState, Draft, Drafter, check_lookup, prior_path_p
+from ..settings import (
+    COPY_ACCEPT_BY_MATCH,
+    COPY_ACCEPT_FIRST,
+    COPY_ACCEPT_NEXT,
+    COPY_ACCEPT_SAMPLED_BY_MATCH,
+    COPY_ACCEPT_SAMPLED_FIRST,
+    COPY_ACCEPT_SAMPLED_NEXT,
+    DEFAULT_LOOKUP,
+)
+from .base import check_lookup, prior_path_p
 
 MAX_NGRAM = 4    # a match this long or longer is the strongest cue (COPY_ACCEPT_BY_MATCH's last entry)
 MIN_NGRAM = 2    # the shortest match tried before the corpus

@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import torch
 
-from ..backbone import Backbone
-from ..heads import Heads
-from ..tree import Tree
-from ..verify import Accepted
-from .base import (DecodeState, Draft, Drafter, TargetOut, check_gate, check_lookup, check_threshold, draft_head, layout,
-                   layout_path_p, pruned, row_candidates, tree_width)
+from ..core.accept import Accepted
+from ..core.backbone import Backbone
+from ..core.tree import Tree
+from ..core.types import DecodeState, Draft, Drafter, TargetOut
 from ..corpus import Corpus
+from ..heads import Heads
+from .base import (
+    check_gate,
+    check_lookup,
+    check_threshold,
+    draft_head,
+    layout,
+    layout_path_p,
+    pruned,
+    row_candidates,
+    tree_width,
+)
 from .lookup import with_lookup
 
 

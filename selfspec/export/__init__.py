@@ -59,7 +59,7 @@ def export_heads(heads_dir, fmt: str, out, *, model=None, dtype: str = "float32"
     import torch
     from safetensors.torch import save_file
 
-    from ..backbone import config_fingerprint
+    from ..core.backbone import config_fingerprint
     from ..heads import load_heads
     from ..io import atomic_dir, atomic_write_text
     from ..loading import hub_id_of, load_model, model_config

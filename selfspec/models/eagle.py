@@ -35,8 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..tree import additive_mask
-
+from ..core.tree import additive_mask
 
 FEATURE_NORMS = ("", "concat", "per_layer")
 

@@ -156,6 +156,9 @@ def _read_jsonl(path: Path, *, max_prompts: int | None) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{index + 1}: invalid JSON ({e.msg}): each line must be one JSON object") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{index + 1}: JSON nested too deeply to read: each line must be one flat "
+                                 "JSON object") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{index + 1}: expected a JSON object with a \"prompt\" key, got {type(row).__name__}")
             rows.append(_check_row(row, index=index, where=f"{path}:{index + 1}"))

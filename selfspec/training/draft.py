@@ -31,12 +31,12 @@ from typing import Callable
 
 import torch
 
-from ..backbone import config_fingerprint
+from ..core.backbone import config_fingerprint
 from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
-from .checkpoint import STATE_FILE, check_resumable, open_run
-from .config import DraftConfig
-from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
 from ..settings import default_exit_layer
+from .checkpoint import STATE_FILE, check_resumable, open_run
+from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
+from .config import DraftConfig
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, report_run, run_hardware
 from .split import frequent_vocab, run_split

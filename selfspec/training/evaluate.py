@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ..backbone import Backbone, config_fingerprint
+from ..core.backbone import Backbone, config_fingerprint
 from ..heads import ExitLayerHead, load_heads, read_heads_config
 from ..io import pyplot, save_figure
 from ..loading import DRAFT_META_FILE, check_model_name, load_model, selfspec_home

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..backbone import Backbone
+from ..core.backbone import Backbone
 from .checkpoint import atomic_torch_save
 from .split import Sequence, collate, length_batches
 
@@ -71,7 +71,7 @@ def feature_cache_path(model, seqs: list[Sequence], *, exit_layer: int, dtype: s
     """Where the features of these sequences live under $SELFSPEC_HOME (keyed by model, data, E and dtype)."""
     import hashlib
 
-    from ..backbone import config_fingerprint
+    from ..core.backbone import config_fingerprint
     from ..loading import selfspec_home
 
     h = hashlib.sha1(f"{config_fingerprint(model.config)}:{exit_layer}:{dtype}".encode())

@@ -29,9 +29,9 @@ from typing import Callable
 import torch
 
 from ..heads import KINDS
+from ..settings import default_exit_layer
 from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
-from ..settings import default_exit_layer
 from .config import TrainConfig
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, report_run, resolve_mixed_precision, run_hardware
@@ -270,7 +270,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
     if args.config:
         import yaml
 
-        recipe = yaml.safe_load(Path(args.config).read_text()) or {}
+        try:
+            recipe = yaml.safe_load(Path(args.config).read_text()) or {}
+        except OSError as e:
+            raise ValueError(f"--config {args.config} cannot be read ({e.strerror or e}): give a YAML recipe file") from None
+        except (yaml.YAMLError, RecursionError) as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            raise ValueError(f"--config {args.config} is not valid YAML{at}: fix the recipe, a mapping of flag "
+                             "names to values") from None
         if not isinstance(recipe, dict):
             raise ValueError(f"{args.config}: a recipe is a YAML mapping of flag names to values")
     names = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -46,24 +46,31 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from ..backbone import Backbone, config_fingerprint
-from ..budget import verify_cost
-from ..corpus import load_corpus
-from ..decode import decode
-from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
-
-from ..heads import (Heads, heads_in_dtype, load_heads, read_heads_config, recorded_devices, recorded_search,
-                     search_file, write_heads_config)
 from ..bench.harness import load_prompts as load_bench_prompts
 from ..card import this_hardware
+from ..core.backbone import Backbone, config_fingerprint
+from ..core.decode import decode
+from ..core.sampling import SamplingParams
+from ..core.tree import build_tree, parse_dynamic_tree, parse_tree, tree_from_rank_accuracy
+from ..corpus import load_corpus
+from ..drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, NoDrafter
+from ..heads import (
+    Heads,
+    heads_in_dtype,
+    load_heads,
+    read_heads_config,
+    recorded_devices,
+    recorded_search,
+    search_file,
+    write_heads_config,
+)
 from ..io import atomic_write_text, prompt_ids
 from ..loading import check_model_name, load_model, resolve_device, resolve_dtype
-from ..sampling import SamplingParams
+from ..runtime.static import BUCKETS
+from ..runtime.width import verify_cost
 from ..settings import DEFAULT_MAX_NEW_TOKENS, HOME_DEVICE, DecodeSettings
 from ..shipped import LOOKUP_DRAFTERS, shipped_corpus
-from ..static import BUCKETS
 from ..tuned_pairs import pair_searches, read_pair_record, write_pair_record
-from ..tree import build_tree, parse_dynamic_tree, parse_tree, tree_from_rank_accuracy
 from .cli_args import at_least, check_corpus_arg, in_unit_interval
 from .data import read_meta
 from .losses import to_subset_ids

@@ -22,7 +22,7 @@ from .checkpoint import STATE_FILE
 def load_init(path: str, *, kind: str, model) -> Heads:
     """The heads in ``path``, with the fp32 weights of its trainer state when it has one
     (model.safetensors may be stored in float16). Their shape is checked once this run's heads exist."""
-    from ..backbone import config_fingerprint
+    from ..core.backbone import config_fingerprint
     from ..heads import load_heads
 
     heads = load_heads(path, expect_kind=kind, fingerprint=config_fingerprint(model.config), model=model)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch

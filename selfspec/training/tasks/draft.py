@@ -25,14 +25,13 @@ import torch
 from torch.nn import functional as F
 
 from ... import __version__
-from ...io import atomic_path, atomic_write_text
 from ...drafters.draft_model import truncated_copy
+from ...io import atomic_path, atomic_write_text
+from ..config import DraftConfig
 from ..features import FeatureCache, Target
 from ..losses import HeadLoss, exit_loss
 from ..split import Batch, Sequence, collate, length_batches
-from ..config import DraftConfig
 from .base import EvalResult, Task
-
 
 META_FILE = "selfspec_draft.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ...backbone import Backbone
+from ...core.backbone import Backbone
 from ...models.eagle import EagleHead
 from ..losses import HeadLoss
 from ..split import Batch, collate

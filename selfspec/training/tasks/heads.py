@@ -29,12 +29,11 @@ from torch.nn import functional as F
 
 from ...heads import Heads, save_heads
 from ..checkpoint import atomic_save_adapter
+from ..config import TrainConfig
 from ..features import FeatureCache, Target
 from ..losses import HeadLoss
 from ..split import Batch, Sequence, collate, length_batches
-from ..config import TrainConfig
 from .base import EvalResult, Task
-
 
 
 def window_rows(h: torch.Tensor, window: torch.Tensor) -> torch.Tensor:

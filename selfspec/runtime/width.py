@@ -59,11 +59,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backbone import Backbone
-from .cache import KVCache
-from .drafters.base import Draft, prior_path_p
+from ..core.backbone import Backbone
+from ..core.cache import KVCache
+from ..core.tree import subtree, tree_from_parents
+from ..core.types import Draft
+from ..drafters.base import prior_path_p
 from .static import BUCKETS, bucket
-from .tree import subtree, tree_from_parents
 
 if TYPE_CHECKING:
     from .step import StaticStep
@@ -248,7 +249,7 @@ class VerifyCost:
 
     @torch.no_grad()
     def _time(self, rows: int, width: int) -> dict[int, float]:
-        from .decode import _sync, prefill_rows, verify_rows   # decode imports this module
+        from ..core.decode import _sync, prefill_rows, verify_rows  # decode imports this module
 
         bb, dev = self.backbone, self.backbone.device
         if self.step is not None:
@@ -281,7 +282,7 @@ class VerifyCost:
     def _time_step(self, rows: int, width: int) -> dict[int, float]:
         """Each bucket up to ``width``'s, through the static step (run once untimed first: a bucket not yet
         compiled compiles then). Not kept between processes: a compiled pass's speed is the compiler's."""
-        from .decode import _sync, prefill_rows
+        from ..core.decode import _sync, prefill_rows
 
         bb, dev, step = self.backbone, self.backbone.device, self.step
         shapes = [b for b in BUCKETS if b < self._shape(width)] + [self._shape(width)]

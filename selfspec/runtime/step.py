@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from .backbone import Backbone
-from .cache import KVCache, SlotWriter, StaticStorage, move_slots, path_slots
-from .decode import _layers, prefill_rows, row_outputs
-from .drafters.base import Draft, TargetOut
+from ..core.backbone import Backbone
+from ..core.cache import KVCache, SlotWriter, StaticStorage, move_slots, path_slots
+from ..core.decode import _layers, prefill_rows, row_outputs
+from ..core.tree import build_tree
+from ..core.types import Draft, TargetOut
 from .static import BUCKETS, StaticFunction, bucket
-from .tree import build_tree
 
 CAPACITY_ROUND = 256        # static caches are sized in multiples of this
 
@@ -76,6 +76,11 @@ class StaticStep:
         dev = next(k.device for k in cache.keys if k is not None)
         rows = torch.arange(cache.batch)[:, None].repeat(1, M)
         self._move(cache.keys, cache.values, rows.to(dev), src.to(dev), dst.to(dev))
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        """The node count a pass of ``n`` nodes per row runs at (``static.bucket``)."""
+        return bucket(n)
 
     def function(self, fn) -> StaticFunction:
         """Another static pass (a drafter's), built as this step builds its own."""

@@ -115,18 +115,18 @@ class KVCache:
             for b in range(self.batch) if row is None else (row,):
                 layer[b] = min(layer[b], length)
 
-    def keep(self, starts: list[int], paths: list[torch.Tensor], rows: list[int] | None = None) -> None:
+    def keep(self, starts: list[int], paths: list, rows: list[int] | None = None) -> None:
         """Row rows[i] (default: row i) keeps slots [0, starts[i]) plus ``starts[i] + paths[i]``, in that
         order, on every layer; other rows are untouched.
 
-        paths[i]: (m_i,) long offsets (an accepted tree path, root first). A path 0, 1, .., m - 1 (a
-        chain prefix) moves nothing."""
+        paths[i]: offsets (an accepted tree path, root first), a sequence of ints as acceptance gives them
+        (read on the host already), or a long tensor. A path 0, 1, .., m - 1 (a chain prefix) moves nothing."""
         rows = list(range(len(starts))) if rows is None else rows
+        paths = [tuple(p.tolist()) if isinstance(p, torch.Tensor) else tuple(p) for p in paths]
         moves = []
         for b, start, path in zip(rows, starts, paths):
-            m = int(path.shape[0])
-            if not bool((path.cpu() == torch.arange(m)).all()):
-                moves.append((b, start, path.to(torch.long)))
+            if path != tuple(range(len(path))):
+                moves.append((b, start, torch.tensor(path, dtype=torch.long)))
         if moves and self.mover is not None:
             self.mover(self, moves)
         elif moves:
@@ -137,7 +137,7 @@ class KVCache:
         for layer in self.lengths:
             for b, start, path in zip(rows, starts, paths):
                 if layer[b] > start:
-                    layer[b] = start + int(path.shape[0])
+                    layer[b] = start + len(path)
 
     # ------------------------------------------------------------------ storage
     def allocate(self, layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device) -> None:
@@ -161,7 +161,7 @@ class KVCache:
             self.keys[layer_idx] = key.new_zeros(shape)
             self.values[layer_idx] = key.new_zeros(shape)
             if self.static_address:
-                import torch._dynamo   # only compiled decoding gets here: no cost to import selfspec
+                import torch._dynamo  # only compiled decoding gets here: no cost to import selfspec
 
                 torch._dynamo.mark_static_address(self.keys[layer_idx])
                 torch._dynamo.mark_static_address(self.values[layer_idx])
@@ -322,7 +322,7 @@ def path_slots(moves: list[tuple[int, int, torch.Tensor]], width: int) -> tuple[
     """(src, dst) (len(moves), width) on the host for ``KVCache.keep``'s moves (row, start, path offsets):
     each path's slots and where they go. Shorter paths repeat their last offset, so the extra writes land
     past the row's new length."""
-    src = torch.stack([torch.cat([p.cpu(), p[-1:].cpu().expand(width - p.shape[0])]) + s for _, s, p in moves])
+    src = torch.stack([torch.cat([p, p[-1:].expand(width - p.shape[0])]) + s for _, s, p in moves])   # host tensors
     dst = torch.stack([torch.arange(width) + s for _, s, _ in moves])
     return src, dst
 

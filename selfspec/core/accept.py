@@ -20,8 +20,9 @@ from .tree import Tree
 
 @dataclass(frozen=True)
 class Accepted:
-    path: tuple[int, ...]   # accepted node ids, root first (len = num_accepted + 1)
-    bonus: int              # the token the target adds after the last accepted node
+    path: tuple[int, ...]     # accepted node ids, root first (len = num_accepted + 1)
+    bonus: int                # the token the target adds after the last accepted node
+    tokens: tuple[int, ...]   # what the step commits: the accepted nodes' tokens (root excluded), then the bonus
 
     @property
     def num_accepted(self) -> int:
@@ -31,35 +32,42 @@ class Accepted:
 def greedy_accept_rows(trees: list[Tree], tokens: list[torch.Tensor], target_argmax: list[torch.Tensor]) -> list[Accepted]:
     """Per row: the longest root path whose every token equals the target's argmax at its parent.
 
-    Row b: tokens[b], target_argmax[b] (n_b,) long over trees[b]'s nodes. One batched tensor rule
-    over the rows (trees padded to the largest; padding never matches) and one host sync for all.
-    Exact: the committed tokens are the ones plain greedy decoding would produce, whatever the
-    draft proposed.
+    Row b: tokens[b], target_argmax[b] (n_b,) long over trees[b]'s nodes. One batched tensor rule over
+    the rows (trees padded to the largest; padding never matches), the path and its tokens gathered on
+    the device, and ONE host read for all rows: each row's path, the tokens it commits, and its tree's
+    depth (kept on the tree for the loop's statistics, so reading it costs nothing more). Exact: the
+    committed tokens are the ones plain greedy decoding would produce, whatever the draft proposed.
     """
     B, n = len(trees), max(t.size for t in trees)
     dev = target_argmax[0].device
+    pad = lambda x, fill: torch.cat([x.to(dev), x.new_full((n - x.shape[0],), fill).to(dev)])  # noqa: E731
+    top = torch.stack([pad(a, -1) for a in target_argmax])                                     # (B, n)
+    toks = torch.stack([pad(x, -2) for x in tokens])                                            # (B, n)
+    parents = torch.stack([pad(t.parents.clamp(min=0), 0) for t in trees])
+    depths = torch.stack([pad(t.depths, -1) for t in trees])
     if B == 1:
-        tree, tok, top = trees[0], tokens[0].to(dev), target_argmax[0]
-        match = tok == top[tree.parents.clamp(min=0)]
-        anc, depths = tree.ancestors[None], tree.depths[None]
-        match, top = match[None], top[None]
+        anc = trees[0].ancestors.to(dev)[None]
     else:
-        pad = lambda x, fill: torch.cat([x.to(dev), x.new_full((n - x.shape[0],), fill).to(dev)])  # noqa: E731
-        top = torch.stack([pad(a, -1) for a in target_argmax])
-        parents = torch.stack([pad(t.parents.clamp(min=0), 0) for t in trees])
-        match = torch.stack([pad(x, -2) for x in tokens]) == top.gather(1, parents)
-        depths = torch.stack([pad(t.depths, -1) for t in trees])
-        anc = torch.zeros(B, n, n, dtype=torch.bool, device=dev)
+        anc = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)
         for b, t in enumerate(trees):
             anc[b, : t.size, : t.size] = t.ancestors.to(dev)
-        anc |= torch.eye(n, dtype=torch.bool, device=dev)
+    match = toks == top.gather(1, parents)
     match[:, 0] = True
     alive = ~(anc & ~match[:, None, :]).any(dim=2)            # (B, n) every node on the path matches
-    best = torch.argmax(torch.where(alive, depths, -1), dim=1)
-    bonus = top.gather(1, best[:, None])[:, 0]
-    # The single host sync of a greedy step: which node each row keeps.
-    best, bonus = best.tolist(), bonus.tolist()
-    return [Accepted(path=t.path_to(i), bonus=int(x)) for t, i, x in zip(trees, best, bonus)]
+    best = torch.argmax(torch.where(alive, depths, -1), dim=1)                                  # (B,)
+    on_path = anc.gather(1, best[:, None, None].expand(-1, 1, n))[:, 0]                         # (B, n)
+    order = torch.where(on_path, torch.arange(n, device=dev), n).sort(dim=1).values             # path first
+    path_tokens = toks.gather(1, order.clamp(max=n - 1))
+    bonus = top.gather(1, best[:, None])
+    # The single host sync of a greedy step: each row's path, its tokens, its bonus and its tree's depth.
+    read = torch.cat([bonus, depths.max(dim=1, keepdim=True).values, order, path_tokens], dim=1).tolist()
+    out = []
+    for t, row in zip(trees, read):
+        x, depth, order_b, toks_b = row[0], row[1], row[2: 2 + n], row[2 + n:]
+        m = sum(1 for i in order_b if i < n)
+        t.__dict__.setdefault("depth", depth)   # Tree.depth, spared a read of its own
+        out.append(Accepted(path=tuple(order_b[:m]), bonus=x, tokens=(*toks_b[1:m], x)))
+    return out
 
 
 def greedy_accept(tree: Tree, tokens: torch.Tensor, target_argmax: torch.Tensor) -> Accepted:
@@ -143,4 +151,5 @@ def rejection_accept_tree(
         path.append(nxt)
         node = nxt
         p_cur = p[node]
-    return Accepted(path=tuple(path), bonus=int(torch.multinomial(p_cur, 1, generator=generator)))
+    bonus = int(torch.multinomial(p_cur, 1, generator=generator))
+    return Accepted(path=tuple(path), bonus=bonus, tokens=(*(toks[i] for i in path[1:]), bonus))

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from . import cache as kv
+from .accept import Accepted, greedy_accept_rows, rejection_accept_tree
 from .backbone import Backbone
 from .cache import KVCache
-from .drafters.base import DecodeState, Draft, Drafter, TargetOut
 from .sampling import SamplingParams, probs_from_logits, sample, target_logits
-from .verify import Accepted, greedy_accept_rows, rejection_accept_tree
+from .types import DecodeState, Draft, Drafter, TargetOut, plain_draft
 
 if TYPE_CHECKING:
-    from .stopping import StopStrings   # a rule over token ids; the loop never sees the tokenizer
+    from .stopping import StopStrings  # a rule over token ids; the loop never sees the tokenizer
 
 
 class WidthFit(Protocol):
@@ -33,6 +33,18 @@ class WidthFit(Protocol):
     def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]: ...
 
     def observe(self, rows: int, width: int, seconds: float) -> None: ...
+
+
+class Pace(Protocol):
+    """The seam through which a runtime turns drafting off where it does not pay (``backoff.Backoff``). A step
+    it does not draft is a plain one (the pending token alone), which changes what is drafted, never what
+    is committed."""
+
+    def start(self) -> None: ...
+
+    def draft_now(self) -> bool: ...
+
+    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None: ...
 
 
 class VerifyStep(Protocol):
@@ -51,6 +63,7 @@ class DecodeStats:
     new_tokens: int = 0
     target_forwards: int = 0     # prefill + one per verification step (one pass serves every row)
     steps: int = 0               # verification steps, summed over rows
+    plain_steps: int = 0         # of those, steps the runtime did not draft (back-off: drafting did not pay)
     drafted: int = 0             # draft nodes verified (tree nodes bar the root), summed over steps
     accepted_hist: list[int] = field(default_factory=list)   # [a] = steps that accepted a drafts
     drafted_by_depth: list[int] = field(default_factory=list)
@@ -285,21 +298,19 @@ def _sample_accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, g
     tokens = draft.tokens.to(logits.device)
     p = probs_from_logits(logits, params)
     if draft.q is None:  # nothing drafted: a plain sampling step
-        return Accepted(path=(0,), bonus=int(sample(p[0], generator)))
+        bonus = int(sample(p[0], generator))
+        return Accepted(path=(0,), bonus=bonus, tokens=(bonus,))
     return rejection_accept_tree(draft.tree, tokens, p, draft.q.to(p.device), draft.q_rows().to(p.device),
                                  generator=generator)
 
 
-def commit_rows(cache: KVCache, states: list[DecodeState], drafts: list[Draft], accepted: list[Accepted]) -> list[list[int]]:
+def commit_rows(cache: KVCache, states: list[DecodeState], accepted: list[Accepted]) -> list[list[int]]:
     """Keep each row's accepted path in the cache (every layer), append its tokens and the bonus."""
     pasts = [s.past_len for s in states]
-    cache.keep(pasts, [torch.tensor(a.path) for a in accepted], rows=[s.cache.index for s in states])
-    new = []
-    for s, d, a in zip(states, drafts, accepted):
-        toks = d.tokens[list(a.path[1:])].tolist() + [a.bonus]
-        s.ids.extend(int(t) for t in toks)
-        new.append([int(t) for t in toks])
-    return new
+    cache.keep(pasts, [a.path for a in accepted], rows=[s.cache.index for s in states])
+    for s, a in zip(states, accepted):
+        s.ids.extend(a.tokens)
+    return [list(a.tokens) for a in accepted]
 
 
 @torch.no_grad()   # never records autograd: a recorded graph would chain every step's activations via the cache
@@ -315,6 +326,7 @@ def decode_rows(
     on_tokens: Callable[[int, list[int]], None] | None = None,
     step: VerifyStep | None = None,
     cost: WidthFit | None = None,
+    pace: Pace | None = None,
     stop: StopStrings | None = None,
     min_new_tokens: int = 0,
     min_length: int = 0,
@@ -328,7 +340,8 @@ def decode_rows(
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``cost.fit``; with ``step``, a ``VerifyCost``
-    built on that step, which prices its buckets). A row ends at ``max_new_tokens``, at its first EOS or,
+    built on that step, which prices its buckets). With ``pace``, a step it says not to draft is a plain
+    step (``plain_draft``), which every drafter still commits. A row ends at ``max_new_tokens``, at its first EOS or,
     with ``stop``, at the first token that completes a stop string (both kept); not with EOS before
     ``min_new_tokens`` new tokens, nor before the row's text (prompt included) is ``min_length`` long, as
     transformers' processors of those names rule. Returns (new tokens per row, stats summed over rows)."""
@@ -351,11 +364,12 @@ def decode_rows(
     outs = prefill_rows(backbone, cache, [p.to(dev) for p in prompts], capture=drafter.capture_layers)
     new: list[list[int]] = [[] for _ in range(B)]
     ended = [False] * B
+    tails = [] if stop is None else [p[-stop.window:].tolist() for p in prompts]   # read once, not every step
 
     def emit(b: int, tokens: list[int]) -> None:
         """Row b's tokens out of a step: as many as it may still take (``_take``), to the caller."""
         # What a stop string's match may span: the row's last tokens, the prompt's included.
-        before = () if stop is None else [*prompts[b][-stop.window:].tolist(), *new[b][-stop.window:]]
+        before = () if stop is None else [*tails[b], *new[b][-stop.window:]]
         kept, ended[b] = _take(tokens, max_new_tokens - len(new[b]), eos_token_ids, stop, before=before)
         new[b].extend(kept)
         if on_tokens:
@@ -367,6 +381,8 @@ def decode_rows(
         s.ids.append(first)
         emit(b, [first])
     drafter.begin_rows(drafters, states, outs)
+    if pace is not None:
+        pace.start()
     stats.target_forwards = 1
     live = [b for b in range(B) if not ended[b]]
     _sync(dev)
@@ -376,19 +392,23 @@ def decode_rows(
         live = _shrink(cache, states, live) if step is None else live
         rows, live_drafters = [states[b] for b in live], [drafters[b] for b in live]
         t1 = time.perf_counter()
-        drafts = drafter.draft_rows(live_drafters, rows)                            # DRAFT
-        if cost is not None:                                                        # (the width worth verifying)
+        drafting = pace is None or pace.draft_now()                                  # (or a plain step: no pay)
+        drafts = drafter.draft_rows(live_drafters, rows) if drafting else [plain_draft(s, dev) for s in rows]  # DRAFT
+        if cost is not None and drafting:                                           # (the width worth verifying)
             drafts = cost.fit(drafts, drafter.max_nodes, rows=None if step is None else B)
         _sync(dev)
         t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
         accepted = accept_rows(drafts, outs, params, generator, rows, eos_token_ids)  # ACCEPT
-        committed = commit_rows(cache, rows, drafts, accepted)                       # COMMIT
+        committed = commit_rows(cache, rows, accepted)                               # COMMIT
         drafter.commit_rows(live_drafters, rows, accepted, outs)                    # (each row's drafter state)
         _sync(dev)
         t3 = time.perf_counter()
         if cost is not None:
             cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts), t3 - t2)
+        if pace is not None:
+            pace.observe(len(live), sum(map(len, committed)), t3 - t1, drafting)
+        stats.plain_steps += 0 if drafting else len(live)
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.target_forwards += 1

@@ -132,19 +132,25 @@ def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
 
 
 def tree_from_parents(parents: torch.Tensor, ranks: torch.Tensor, *, max_depth: int) -> Tree:
-    """A tree from a parent array (parents[0] = -1, parents[i] < i) with tensor ops only:
-    ``max_depth`` gathers give every node's depth and ancestor set."""
-    n = parents.shape[0]
+    """A tree from a parent array (parents[0] = -1, parents[i] < i) with tensor ops only (``tree_tensors``)."""
+    depths, ancestors = tree_tensors(parents[None], max_depth=max_depth)
+    return Tree(parents=parents, depths=depths[0], ranks=ranks, ancestors=ancestors[0])
+
+
+def tree_tensors(parents: torch.Tensor, *, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depths (B, n) and ancestor sets (B, n, n) of a batch of trees given by parent arrays (B, n)
+    (parents[:, 0] = -1, parents[b, i] < i), in ``max_depth`` gathers on their device: no host read."""
+    B, n = parents.shape
     idx = torch.arange(n, device=parents.device)
-    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
-    depths = torch.zeros(n, dtype=torch.long, device=parents.device)
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
+    depths = torch.zeros(B, n, dtype=torch.long, device=parents.device)
     up = parents.clone()                                        # each node's ancestor d + 1 levels up
     for _ in range(max_depth):
         has = up >= 0
-        ancestors[idx[has], up[has]] = True
+        ancestors |= (up.clamp(min=0)[..., None] == idx) & has[..., None]
         depths += has.long()
-        up = torch.where(has, parents[up.clamp(min=0)], up)
-    return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors)
+        up = torch.where(has, parents.gather(1, up.clamp(min=0)), up)
+    return depths, ancestors
 
 
 def subtree(parents: torch.Tensor, ranks: torch.Tensor, keep: torch.Tensor, *, max_depth: int) -> Tree:

@@ -1,0 +1,81 @@
+"""Back-off: drafting only where it pays on the machine that runs it.
+
+A drafter pays when the tokens a speculative step commits per second beat what plain steps make
+there. That depends on the machine (a CPU where a wide pass is dear, a GPU where it is free), the
+drafter (a draft model or early exit spends most of a plain step drafting) and the text. So the
+loop asks ``Backoff.draft_now`` before each step and reports each step's committed tokens and seconds
+(``observe``); the back-off compares the two rates as it goes:
+
+* it measures plain steps now and then (``PLAIN_PROBE`` of them every ``RECHECK`` steps, and first
+  after ``WINDOW`` speculative ones), so that it knows the rate to beat on this machine at this
+  context length;
+* after each ``WINDOW`` speculative steps it compares their median rate with the plain one; where
+  speculation does not beat it by ``MARGIN``, it turns drafting off for ``hold`` steps, then probes
+  again with ``WINDOW`` speculative steps; each failed probe doubles ``hold`` (up to ``MAX_HOLD``),
+  a probe that pays resets it.
+
+A plain step is what ``NoDrafter`` does (the pending token alone), and the drafter still commits it
+(its state follows every committed token), so the back-off only changes what is drafted: greedy
+output stays token-identical, and sampling stays exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class Backoff:
+    WINDOW = 8          # speculative steps judged together (their median rate)
+    PLAIN_PROBE = 2     # plain steps that measure the rate to beat
+    RECHECK = 64        # while speculation pays, the plain rate is measured again this often
+    MARGIN = 0.03       # speculation must beat plain steps by this share to stay on
+    FIRST_HOLD, MAX_HOLD = 16, 512   # steps drafting stays off after a failed probe (doubling)
+
+    def __init__(self):
+        self.plain: deque = deque(maxlen=2 * self.PLAIN_PROBE)   # per-row tokens/s of recent plain steps
+        self.spec: deque = deque(maxlen=self.WINDOW)              # ... of the speculative steps being judged
+        self.hold = self.FIRST_HOLD
+        self.plan: deque = deque()        # the coming steps' modes (True: draft), when one is set
+        self.since_plain = 0              # speculative steps since the plain rate was last measured
+        self.skip_first = True            # a decode's first step pays one-off costs: not counted
+
+    def draft_now(self) -> bool:
+        """Whether the coming step drafts."""
+        if self.plan:
+            return self.plan[0]
+        return True
+
+    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """A step of ``rows`` rows committed ``tokens`` tokens in ``seconds`` (drafted or plain)."""
+        if self.plan:
+            self.plan.popleft()
+        if self.skip_first:
+            self.skip_first = False
+            return
+        rate = tokens / rows / max(seconds, 1e-9)
+        if not drafted:
+            self.plain.append(rate)
+            return
+        self.spec.append(rate)
+        self.since_plain += 1
+        if self.plan:
+            return
+        if not self.plain or self.since_plain >= self.RECHECK:   # measure the rate to beat
+            self.plan.extend([False] * self.PLAIN_PROBE)
+            self.since_plain = 0
+            return
+        if len(self.spec) < self.WINDOW:
+            return
+        if statistics.median(self.spec) < (1 + self.MARGIN) * statistics.median(self.plain):
+            self.plan.extend([False] * self.hold)                 # off for a while, then probe again
+            self.hold = min(2 * self.hold, self.MAX_HOLD)
+        else:
+            self.hold = self.FIRST_HOLD
+        self.spec.clear()
+
+    def start(self) -> None:
+        """A new decode: what was learned stays (the machine has not changed), its first step is not counted."""
+        self.skip_first = True
+        self.plan.clear()
+        self.spec.clear()

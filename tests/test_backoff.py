@@ -1,0 +1,115 @@
+"""The back-off (``selfspec/runtime/backoff.py``): drafting turned off where it does not pay, never a change
+of output. Plain steps between drafted ones keep every drafter exact (greedy) and lossless (sampling);
+the back-off's own decisions follow the rates it is shown."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import chi2_check
+from test_batch import ROWS, N, _batched_counts, _exact, _sampling_setup, every_drafter
+
+from selfspec.core import decode as decode_mod
+from selfspec.core.decode import decode_rows
+from selfspec.core.sampling import SamplingParams
+from selfspec.runtime.backoff import Backoff
+
+
+class _Scripted:
+    """A pace that drafts on a fixed, irregular pattern of steps (runs of plain steps of every length)."""
+
+    PATTERN = (True, False, True, True, False, False, True, False, False, False, True, True, True)
+
+    def __init__(self):
+        self.step, self.plain = 0, 0
+
+    def start(self):
+        pass
+
+    def draft_now(self):
+        return self.PATTERN[self.step % len(self.PATTERN)]
+
+    def observe(self, rows, tokens, seconds, drafted):
+        self.step += 1
+        self.plain += not drafted
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_plain_steps_between_drafted_ones_keep_every_drafter_exact(arch, one_thread):
+    """Every drafter, in a batch of ragged prompts, with drafting turned off on an irregular pattern of steps:
+    every row equals that prompt's greedy continuation alone (each drafter's state follows the plain steps)."""
+    model, bb, prompts, ref, drafters = every_drafter(arch)
+    for drafter in drafters:
+        pace = _Scripted()
+        new, stats = decode_rows(bb, drafter, prompts, params=SamplingParams(), max_new_tokens=len(ref[0]),
+                                 eos_token_ids=set(), generator=None, pace=pace)
+        assert new == ref, f"{arch} {drafter.name}: a plain step changed the output"
+        assert pace.plain > 3 and stats.plain_steps > 3, "not vacuous: several steps were plain"
+        if drafter.name != "none" and not getattr(drafter, "threshold", 0):   # (a thresholded tiny draft drafts nothing)
+            assert stats.drafted > 0, f"{drafter.name}: not vacuous: the drafted steps drafted"
+
+
+def test_sampling_with_plain_steps_between_drafted_ones_is_lossless(one_thread):
+    """Sampled rows (EAGLE's beams plus copied chains) with drafting off on an irregular pattern of steps keep
+    the target's distribution (chi-square over whole continuations)."""
+    model, bb, params, prompts, drafter = _sampling_setup()
+    counts = _counts_with(bb, drafter, prompts, params)
+    for prompt, c in zip(prompts, counts):
+        stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
+        assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
+
+
+def test_sampling_check_catches_a_plain_step_that_does_not_sample(one_thread, monkeypatch):
+    """Planted bug: the back-off's plain steps commit the target's most likely token instead of a draw from
+    it (a plain step taken for a greedy one). The same check must fail."""
+    from selfspec.core.accept import Accepted
+
+    model, bb, params, prompts, drafter = _sampling_setup()
+    real = decode_mod._sample_accept
+
+    def greedy_when_plain(draft, logits, params, generator):
+        if draft.tree.size > 1:
+            return real(draft, logits, params, generator)
+        top = int(logits[0].argmax())
+        return Accepted(path=(0,), bonus=top, tokens=(top,))
+
+    monkeypatch.setattr(decode_mod, "_sample_accept", greedy_when_plain)
+    counts = _counts_with(bb, drafter, prompts, params)
+    stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
+    assert any(stat > threshold for stat, threshold in stats)
+
+
+def _counts_with(bb, drafter, prompts, params):
+    pace = _Scripted()
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, pace=pace)
+    assert pace.plain > 10, "not vacuous: plain steps came between drafted ones"
+    return counts
+
+
+def _feed(backoff: Backoff, steps: int, *, spec_rate: float, plain_rate: float) -> list[bool]:
+    """Run ``steps`` steps of one row through ``backoff``: a drafted step commits ``spec_rate`` tokens a second,
+    a plain one ``plain_rate``. Returns what each step did (True: drafted)."""
+    done = []
+    for _ in range(steps):
+        drafted = backoff.draft_now()
+        backoff.observe(1, 1, 1.0 / (spec_rate if drafted else plain_rate), drafted)
+        done.append(drafted)
+    return done
+
+
+def test_backoff_keeps_drafting_where_it_pays_and_turns_it_off_where_it_does_not():
+    pays = _feed(Backoff(), 400, spec_rate=1.5, plain_rate=1.0)
+    assert sum(pays) > 0.95 * len(pays), "speculation that pays stays on (plain steps only to re-measure)"
+    assert not all(pays), "the rate to beat is measured now and then"
+    loses = _feed(Backoff(), 400, spec_rate=0.8, plain_rate=1.0)
+    assert sum(loses[200:]) < 0.1 * 200, "speculation that loses is mostly off once measured"
+    assert any(loses[200:]), "... and probed again now and then"
+    # Within a few percent of the plain rate either way: the loss a user sees is small.
+    spent = sum(1 / 0.8 if d else 1.0 for d in loses)
+    assert spent < 1.05 * len(loses)
+
+
+def test_backoff_comes_back_when_drafting_starts_to_pay():
+    b = Backoff()
+    _feed(b, 300, spec_rate=0.7, plain_rate=1.0)
+    later = _feed(b, 3 * Backoff.MAX_HOLD, spec_rate=2.0, plain_rate=1.0)
+    assert sum(later[-Backoff.MAX_HOLD:]) > 0.9 * Backoff.MAX_HOLD
