@@ -21,7 +21,7 @@ from typing import Callable
 from . import __version__
 from .io import prompt_ids
 from .settings import CORPUS_HELP
-from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, auto_sampled_drafter, default_drafter, shipped_draft
+from .shipped import DRAFTER_NAMES, HEADS_DRAFTERS, default_drafter, shipped_draft
 from .training.cli_args import (
     at_least,
     check_corpus_arg,
@@ -70,10 +70,8 @@ def check_generate_args(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    if args.drafter == "auto":   # sampling may have a drafter of its own (shipped.auto_sampled_drafter)
-        given = (args.tree, args.threshold, args.gate, args.lookup, args.heads)
-        args.drafter = (args.temperature > 0 and auto_sampled_drafter(args.model, given=given)) or \
-            default_drafter(args.model)
+    if args.drafter == "auto":
+        args.drafter = default_drafter(args.model)
     check_generate_args(args)
     draft_model = args.draft_model
     if draft_model is None and args.drafter == "draft-model":

@@ -11,8 +11,8 @@ forward through its occurrences by majority vote: the most common next token, th
 occurrences that agree, the most common one after it, and so on, while the vote is strong enough
 (at least ``min_count`` occurrences and ``min_share`` of them agree). The lookup grafts that chain
 where the context itself has no match (``drafters/lookup.py``). It is only a proposal: acceptance
-is unchanged, so output stays exactly the target's. A proposal costs no model call; a corpus of
-2M tokens takes ~0.1 ms per step to query and ~1 s to index when loaded.
+is unchanged, so output stays exactly the target's. A proposal costs no model call, and a query
+is a dictionary lookup per n-gram length.
 
 On disk (``selfspec build-corpus``): ``config.json`` (kind "corpus", base model name and config
 fingerprint, vocabulary size, counts, sources) and ``corpus.npz`` (numpy's compressed archive, read

@@ -62,7 +62,6 @@ from .settings import (
 from .shipped import (
     HEADS_DRAFTERS,
     LOOKUP_DRAFTERS,
-    auto_sampled_drafter,
     default_drafter,
     shipped_corpus,
     shipped_draft,
@@ -179,10 +178,7 @@ def untrained_heads(kind: str, model, name: str, *, num_heads: int = DEFAULT_NUM
 class SelfSpeculativeModel:
     def __init__(self, model, tokenizer, *, drafter_name: str, heads: Heads | None, name: str, tree="auto",
                  draft_model=None, exit_layer: int | None = None, threshold="auto", gate="auto", lookup="auto",
-                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False, fit_width: bool = True,
-                 sampled_drafter: "tuple[str, Heads | None] | None" = None):
-        """``sampled_drafter``: (name, heads) of another kind of drafter for sampled ``generate`` calls, with
-        its own tuned settings (``drafter="auto"`` where the model's default.json names one for sampling)."""
+                 corpus: Corpus | None = None, compile: "bool | StaticStep" = False, fit_width: bool = True):
         if corpus is not None and drafter_name not in LOOKUP_DRAFTERS:
             raise ValueError(f"a corpus feeds the lookup of the {', '.join(LOOKUP_DRAFTERS)} drafters, not {drafter_name!r}")
         self.model = model
@@ -197,7 +193,7 @@ class SelfSpeculativeModel:
         # a StaticStep given here is shared (models on one target then share its compiled graphs).
         self.step = compile if isinstance(compile, StaticStep) else (StaticStep(self.backbone) if compile else None)
         self.last_stats: DecodeStats | None = None
-        # Greedy, eager: each step's trees cut to the width the (batched) pass is worth (budget.py).
+        # Greedy, eager: each step's trees cut to the width the (batched) pass is worth (runtime/width.py).
         if not isinstance(fit_width, bool):
             raise ValueError(f"fit_width must be True or False (got {fit_width!r})")
         self.fit_width = fit_width
@@ -212,17 +208,12 @@ class SelfSpeculativeModel:
         # differ from a CPU's), else the CPU's (``DecodeSettings.for_device``).
         given = dict(tree=tree, threshold=threshold, gate=gate, lookup=lookup, device=self.backbone.device.type)
         self.settings = resolve_settings(drafter_name, decode, **given)   # what this drafter runs with (DrafterSettings)
-        # Sampling reads the settings tune-tree timed sampling with, where it did (``DecodeSettings.sampled``),
-        # for this drafter or for the other kind named for sampling.
-        self.sampled_name, sampled_heads = sampled_drafter or (self.drafter_name, heads)
-        check_drafter_name(self.sampled_name)
-        sampled_decode = decode if sampled_drafter is None else \
-            (sampled_heads.config.decode if sampled_heads is not None else None)
-        self.sampled_settings = resolve_settings(self.sampled_name, sampled_decode, **given, sampling=True)
+        # Sampling reads the settings tune-tree timed sampling with, where it did (``DecodeSettings.sampled``).
+        self.sampled_settings = resolve_settings(drafter_name, decode, **given, sampling=True)
         self.drafter = self._make_drafter(drafter_name, heads, self.settings, draft_model=draft_model,
                                           exit_layer=exit_layer)
-        self.sampled_drafter = self.drafter if sampled_drafter is None and self.sampled_settings == self.settings \
-            else self._make_drafter(self.sampled_name, sampled_heads, self.sampled_settings, draft_model=draft_model,
+        self.sampled_drafter = self.drafter if self.sampled_settings == self.settings \
+            else self._make_drafter(drafter_name, heads, self.sampled_settings, draft_model=draft_model,
                                     exit_layer=exit_layer)
 
     def _make_drafter(self, name: str, heads: Heads | None, st: DrafterSettings, *, draft_model,
@@ -272,9 +263,8 @@ class SelfSpeculativeModel:
                         fit_width: bool = True):
         """Load a target model and attach a drafter.
 
-        drafter: "auto" is the shipped drafter measured fastest for the demo model (``checkpoints/<model>/
-        default.json``; where it names another for sampling, and no tree, threshold, gate, lookup, heads or
-        exit layer is given, sampled ``generate`` calls decode with that one), else the context lookup.
+        drafter: "auto" is the shipped drafter ``checkpoints/<model>/default.json`` names for the demo model,
+        else the context lookup.
         heads: a heads directory (from ``selfspec train-heads``) for ``medusa`` / ``early-exit`` / ``eagle``; None
         takes the shipped heads of the demo model, and for any other model gives untrained heads (output still
         exact, acceptance low) with a warning. draft_model: a model name/path
@@ -300,10 +290,8 @@ class SelfSpeculativeModel:
         """
         # Everything that can be checked without the model is checked first: a mistake costs no load.
         check_model_name(name_or_path)
-        sampled_kind = None   # another kind of drafter for sampled generate calls (drafter="auto", where one is named)
         if drafter == "auto":
             drafter = default_drafter(name_or_path)
-            sampled_kind = auto_sampled_drafter(name_or_path, given=(tree, threshold, gate, lookup, heads, exit_layer))
         check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
         if drafter not in HEADS_DRAFTERS + ("draft-model",) and (heads is not None or draft_model is not None):
             raise ValueError(f"drafter={drafter!r} takes neither heads nor draft_model")
@@ -348,15 +336,9 @@ class SelfSpeculativeModel:
             raise ValueError(f"the corpus holds answers of {corpus.config.base_model!r}, not of this model: "
                              "build one with `selfspec build-corpus --model MODEL --data DIR`")
         corpus_obj = corpus if corpus is None or isinstance(corpus, Corpus) else load_corpus(corpus, fingerprint=fp)
-        sampled = None
-        if sampled_kind is not None:
-            p = model.get_output_embeddings().weight
-            sampled = (sampled_kind, load_heads(shipped_heads(name_or_path, sampled_kind), expect_kind=sampled_kind,
-                                                fingerprint=fp, device=p.device, dtype=p.dtype, model=model)
-                       if sampled_kind in HEADS_DRAFTERS else None)
         return cls(model, loaded.tokenizer, drafter_name=drafter, heads=head_obj, tree=tree, name=loaded.name,
                    draft_model=draft, exit_layer=exit_layer, threshold=threshold, gate=gate, lookup=lookup,
-                   corpus=corpus_obj, compile=compile, fit_width=fit_width, sampled_drafter=sampled)
+                   corpus=corpus_obj, compile=compile, fit_width=fit_width)
 
     @staticmethod
     def _corpus_dir(corpus, drafter: str, name_or_path) -> "Path | Corpus | None":
@@ -499,7 +481,7 @@ class SelfSpeculativeModel:
 
     def _stop_strings(self, tokenizer, strings) -> StopStrings | None:
         """The stop rule for ``strings`` (None where none are given), built once per tokenizer and strings:
-        building one reads the whole vocabulary (70-190 ms for the demo model's)."""
+        building one reads the whole vocabulary."""
         if not strings:
             return None
         key = (id(tokenizer), (strings,) if isinstance(strings, str) else tuple(strings))
@@ -509,7 +491,7 @@ class SelfSpeculativeModel:
 
     def time_costs(self, batch: int = 1) -> None:
         """Time now the verification pass's cost at every row count up to ``batch`` (width fitting's prior,
-        budget.py), so that no later call pays for it; decoding otherwise times it on first use."""
+        runtime/width.py), so that no later call pays for it; decoding otherwise times it on first use."""
         if batch < 1:
             raise ValueError(f"batch={batch}: costs are timed for batches of at least one row")
         self._timed_batches.update(range(1, batch + 1) if self.step is None else (batch,))
@@ -542,5 +524,4 @@ class SelfSpeculativeModel:
         return max(d.max_nodes for d in self.drafters())
 
     def __repr__(self) -> str:
-        sampled = "" if self.sampled_name == self.drafter_name else f", sampled_drafter={self.sampled_name!r}"
-        return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r}{sampled})"
+        return f"SelfSpeculativeModel({self.name!r}, drafter={self.drafter_name!r})"

@@ -49,11 +49,6 @@ COPY_ACCEPT_SAMPLED_FIRST, COPY_ACCEPT_SAMPLED_NEXT = 0.5, 0.6
 # probability of it, so the share of sampled answers that continue as the copy does is that chance):
 # the same script on the target's answers sampled at temperature 0.7 (training/data/smollm2-135m-t0.7).
 COPY_ACCEPT_SAMPLED_BY_MATCH = ((0.20, 0.53), (0.40, 0.63), (0.54, 0.70), (0.73, 0.88))
-# Where compile=True also runs the EAGLE head's draft step at static shapes (compiled; CUDA graphs):
-# on CUDA, where an eager head call is dozens of kernel launches. On the 2-core development CPU the
-# compiled head decoded 2-4% slower than the eager one in two interleaved runs of 10 held-out prompts
-# (scripts/compiled_head_ab.py), so it stays eager there.
-STATIC_EAGLE_HEAD_DEVICES = ("cuda",)
 # Medusa's sparse tree for 4 heads (paths of candidate ranks): wide near the root where heads are
 # accurate, thin deeper; 15 nodes. `selfspec tune-tree` replaces it with what measures fastest.
 MEDUSA_DEFAULT: tuple[tuple[int, ...], ...] = (

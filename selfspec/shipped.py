@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .settings import AUTO
-
 
 def _checkpoints_dir() -> Path:
     here = Path(__file__).resolve().parent
@@ -47,25 +45,11 @@ def shipped_corpus(model: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def default_drafter(model: str, *, sampling: bool = False) -> str:
-    """The drafter ``drafter="auto"`` means for ``model``: the shipped one measured fastest (greedy, or
-    when ``sampling``, where default.json names another for that), else the context lookup (it needs
-    no training, and costs nothing when the text does not repeat)."""
+def default_drafter(model: str) -> str:
+    """The drafter ``drafter="auto"`` means for ``model``: the shipped one default.json names (greedy and
+    sampled alike), else the context lookup (it needs no training, and costs nothing when the text does
+    not repeat)."""
     path = CHECKPOINTS / str(model) / "default.json"
     if path.is_file():
-        default = json.loads(path.read_text())
-        return default.get("sampled", default["drafter"]) if sampling else default["drafter"]
+        return json.loads(path.read_text())["drafter"]
     return "lookup"
-
-
-def auto_sampled_drafter(model: str, *, given: tuple = ()) -> str | None:
-    """The drafter ``drafter="auto"`` samples with for ``model`` where it is not the greedy one and what it
-    needs is shipped, else None (the greedy one samples too). ``given``: the tree, threshold, gate, lookup,
-    heads (and exit layer) the caller passed, "auto" or None where not: any one given by hand belongs to
-    the greedy drafter, which then serves both."""
-    greedy, sampled = default_drafter(model), default_drafter(model, sampling=True)
-    if sampled == greedy or any(v not in AUTO for v in given):
-        return None
-    if sampled in HEADS_DRAFTERS and shipped_heads(model, sampled) is None:
-        return None
-    return sampled

@@ -295,7 +295,7 @@ def test_selfspec_auto_runs_as_the_default_drafters_method(capsys, tmp_path):
         names, auto = check_bench_args(parser.parse_args(["--model", "smollm2-135m", "--prompts", "p.jsonl",
                                                           "--methods", "selfspec-ar,selfspec-auto",
                                                           "--temperature", temperature]))
-        drafter = default_drafter("smollm2-135m", sampling=temperature != "0")
+        drafter = default_drafter("smollm2-135m")
         assert names == ["hf-generate", "selfspec-ar", auto] and SELFSPEC_METHODS[auto][::2] == (drafter, {})
         assert f"selfspec-auto runs as {auto}" in capsys.readouterr().err
     assert resolve_auto(["hf-generate", "selfspec-auto"], model=str(tmp_path), temperature=0) == (

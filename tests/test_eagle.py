@@ -601,17 +601,16 @@ def test_warm_start_may_add_or_drop_aux_layers(one_thread):
         check_init_shape(init, disjoint, "init")
 
 
-def test_the_head_runs_static_where_settings_say_unless_told():
-    """``static_head=None`` follows ``settings.STATIC_EAGLE_HEAD_DEVICES`` (CUDA: on CPU the compiled head
-    measured slower than the eager one); True or False decide; without a static step it is always eager."""
+def test_the_head_runs_static_under_a_static_step_unless_told():
+    """``static_head=None`` (the default): under a static verify step the head's calls run static too; True or
+    False decide; without a static step it is always eager."""
     from selfspec.runtime.step import StaticStep
-    from selfspec.settings import STATIC_EAGLE_HEAD_DEVICES
 
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("eagle", model, "t")
     step = StaticStep(bb, compile=False)
-    for static_head, expected in ((None, "cpu" in STATIC_EAGLE_HEAD_DEVICES), (True, True), (False, False)):
+    for static_head, expected in ((None, True), (True, True), (False, False)):
         drafter = EagleDrafter(bb, heads, static_head=static_head)
         drafter.use_step(step)
         assert (drafter._static is not None) == expected and (drafter.static_step is step) == expected

@@ -42,7 +42,7 @@ ALL_METHODS = (BASELINE, "hf-static", "hf-assisted", "hf-assisted-bf16", "hf-ear
                "selfspec-draft-model")
 # "-heads": the same heads and tree with the lookup off (what the heads draft on their own);
 # "-context": the lookup reads the context only, no corpus (what the corpus adds, in one run);
-# "-whole": every step verifies whole trees (no width fitting, budget.py).
+# "-whole": every step verifies whole trees (no width fitting or back-off: runtime/).
 # Methods that need --draft-model; "hf-assisted-bf16" gives transformers' assisted generation the
 # draft in bfloat16, the precision selfspec's draft-model drafter uses on CPUs with BF16 instructions.
 DRAFT_METHODS = frozenset({"hf-assisted", "hf-assisted-bf16", "selfspec-draft-model"})

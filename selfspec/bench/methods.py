@@ -88,7 +88,7 @@ def parse_methods(spec: str | None) -> list[str]:
 # the lookup off (what the heads draft on their own; "auto" settings are then those tune-tree picked
 # without the lookup, where it recorded them); "-context": the lookup reads the context
 # only, never the --corpus (what the corpus adds); "-whole": every step verifies each row's whole tree
-# (width fitting off: what budget.py's fitting adds).
+# (width fitting and back-off off: what the runtime adds).
 SELFSPEC_METHODS = {
     "selfspec-ar": ("none", None, {}),
     "selfspec-lookup": ("lookup", None, {}),
@@ -108,12 +108,12 @@ SELFSPEC_METHODS = {
 
 
 def resolve_auto(names: list[str], *, model: str, temperature: float) -> tuple[list[str], str | None]:
-    """``selfspec-auto`` in ``names`` -> the method of the drafter ``drafter="auto"`` picks for ``model`` when
-    decoding at ``temperature`` (``shipped.default_drafter``; its --PREFIX flags apply), once, in its place.
+    """``selfspec-auto`` in ``names`` -> the method of the drafter ``drafter="auto"`` picks for ``model``
+    (``shipped.default_drafter``; its --PREFIX flags apply), once, in its place.
     Returns (names, that method or None where auto was not asked for)."""
     if AUTO_METHOD not in names:
         return names, None
-    drafter = default_drafter(model, sampling=temperature > 0)
+    drafter = default_drafter(model)
     method = next(m for m, (d, _, pinned) in SELFSPEC_METHODS.items() if d == drafter and not pinned)
     return list(dict.fromkeys(method if n == AUTO_METHOD else n for n in names)), method
 

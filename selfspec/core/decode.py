@@ -11,7 +11,7 @@ import copy
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -20,42 +20,10 @@ from .accept import Accepted, greedy_accept_rows, rejection_accept_tree
 from .backbone import Backbone
 from .cache import KVCache
 from .sampling import SamplingParams, probs_from_logits, sample, target_logits
-from .types import DecodeState, Draft, Drafter, TargetOut, plain_draft
+from .types import DecodeState, Draft, Drafter, Pace, TargetOut, VerifyStep, WidthFit, plain_draft
 
 if TYPE_CHECKING:
     from .stopping import StopStrings  # a rule over token ids; the loop never sees the tokenizer
-
-
-class WidthFit(Protocol):
-    """The seam through which a runtime cuts each step's trees to what its pass is worth on this machine
-    (``budget.VerifyCost``). A cut keeps the root and never widens a tree, so output stays exact."""
-
-    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]: ...
-
-    def observe(self, rows: int, width: int, seconds: float) -> None: ...
-
-
-class Pace(Protocol):
-    """The seam through which a runtime turns drafting off where it does not pay (``backoff.Backoff``). A step
-    it does not draft is a plain one (the pending token alone), which changes what is drafted, never what
-    is committed."""
-
-    def start(self) -> None: ...
-
-    def draft_now(self) -> bool: ...
-
-    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None: ...
-
-
-class VerifyStep(Protocol):
-    """The seam through which a runtime runs verification at static shapes (``step.StaticStep``)."""
-
-    storage: object   # hands the step's cache buffers back after a decode (``release``)
-
-    def new_cache(self, batch: int, positions: int) -> KVCache: ...
-
-    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
-               rows: list[int], capture: tuple[int, ...] = ()) -> list[TargetOut]: ...
 
 
 @dataclass

@@ -8,11 +8,13 @@ per row (``accept.Accepted``) and commits it; the drafter then updates its state
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .accept import Accepted
-from .cache import RowView
+from .backbone import Backbone
+from .cache import KVCache, RowView
 from .sampling import SamplingParams
 from .tree import Tree, build_tree
 
@@ -50,7 +52,7 @@ class Draft:
     q_index: torch.Tensor | None = None  # (n,) the q row node i was drawn from; None: row depth(i) - 1
     resume: Resume | None = None
     path_p: torch.Tensor | None = None   # (n,) each node's chance of acceptance as the draft sees it
-                                         # (its path probability; root 1); None: unknown (budget.py)
+                                         # (its path probability; root 1); None: unknown (runtime/width.py)
 
     def q_rows(self) -> torch.Tensor:
         """(n,) the q row each node's token was drawn from (the root's entry is unused)."""
@@ -82,7 +84,7 @@ class Drafter:
         None (eager). A drafter that runs passes of its own may run them at static shapes to match."""
 
     def use_cost(self, cost, rows: int | None = None) -> None:
-        """Called before a decode with width fitting's prices (``budget.VerifyCost``; None: no fitting) and
+        """Called before a decode with width fitting's prices (``runtime.width.VerifyCost``; None: no fitting) and
         the rows its passes run (a static step's, else None: the live rows). A drafter that drafts in
         stages may stop where another stage would not pay on this machine."""
 
@@ -126,3 +128,47 @@ class Drafter:
 def plain_draft(state: DecodeState, device: torch.device) -> Draft:
     """A step that drafts nothing: the pending token alone (plain decoding)."""
     return Draft(tree=build_tree((), str(device)), tokens=torch.tensor([state.ids[-1]], device=device))
+
+
+class WidthFit(Protocol):
+    """The seam through which a runtime cuts each step's trees to what its pass is worth on this machine
+    (``runtime.width.VerifyCost``). A cut keeps the root and never widens a tree, so output stays exact.
+    A drafter that drafts in stages may ask it whether one more stage pays (``level_pays``)."""
+
+    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]: ...
+
+    def observe(self, rows: int, width: int, seconds: float) -> None: ...
+
+    def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
+                   spent: float, level: float) -> bool: ...
+
+
+class Pace(Protocol):
+    """The seam through which a runtime turns drafting off where it does not pay (``backoff.Backoff``). A step
+    it does not draft is a plain one (the pending token alone), which changes what is drafted, never what
+    is committed."""
+
+    def start(self) -> None: ...
+
+    def draft_now(self) -> bool: ...
+
+    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None: ...
+
+
+class VerifyStep(Protocol):
+    """The seam through which a runtime runs verification at static shapes (``runtime.step.StaticStep``); a
+    drafter with passes of its own may run them the same way (``function``, at ``bucket`` sizes)."""
+
+    storage: object      # hands the step's cache buffers back after a decode (``release``)
+    backbone: Backbone
+    capacity: int        # positions per row of its static cache
+    compiled: bool
+
+    def function(self, fn): ...
+
+    def bucket(self, n: int) -> int: ...
+
+    def new_cache(self, batch: int, positions: int) -> KVCache: ...
+
+    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
+               rows: list[int], capture: tuple[int, ...] = ()) -> list[TargetOut]: ...

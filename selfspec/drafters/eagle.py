@@ -18,9 +18,9 @@ The tree, per step (EAGLE-2):
   one call, and each proposes ``expand`` children;
 * finally, greedy keeps the ``nodes`` best nodes of all drafted (path probabilities; a child never
   outscores its parent, so the kept set is a tree), and cuts those below ``threshold``; drafting
-  stops early at a level whose best path is already below it (on a CPU each level costs a head call),
+  stops early at a level whose best path is already below it (each level costs a head call),
   and, with width fitting on (``use_cost``), at a level not expected to pay on this machine:
-  ``budget.level_pays`` weighs the tokens it is expected to add against its measured seconds and the
+  ``runtime.width.level_pays`` weighs the tokens it is expected to add against its measured seconds and the
   pass's cost curve.
 
 Sampling stays exact (``verify.rejection_accept_tree``): a node's children are drawn without
@@ -36,9 +36,8 @@ whose best path fell below the threshold sits that level out), and so do every r
 after a step (paths of different lengths padded, the padding cut off). Every row gets the tree it
 would get alone.
 
-Compiled (``use_step`` with a static verify step, ``compile=True``), on a GPU the head drafts at
-static shapes too (``static_head``; on CPU it measured a little slower than eager, so it stays
-eager there): its cache is preallocated with a row per batch row (a finished row idles in it), each
+Compiled (``use_step`` with a static verify step, ``compile=True``), the head drafts at static shapes
+too (unless ``static_head=False``): its cache is preallocated with a row per batch row (a finished row idles in it), each
 head call (a draft level of every row; a step's accepted slots, padded to a bucket) writes at
 tensor slots and builds its mask from tensors, and runs as one function of fixed shapes, compiled
 as the verify step is (a CUDA graph on GPU). Drafting and the trees it gives are unchanged.
@@ -54,7 +53,6 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
@@ -64,16 +62,11 @@ from ..core.accept import Accepted
 from ..core.backbone import Backbone
 from ..core.sampling import pick_candidates, probs_from_logits
 from ..core.tree import Tree, additive_mask, check_dynamic_tree, subtree, tree_tensors
-from ..core.types import DecodeState, Draft, Drafter, TargetOut
+from ..core.types import DecodeState, Draft, Drafter, TargetOut, VerifyStep, WidthFit
 from ..corpus import Corpus
 from ..heads import Heads, heads_in_dtype
-from ..settings import STATIC_EAGLE_HEAD_DEVICES
 from .base import check_lookup, check_threshold, full_vocab
 from .lookup import with_lookup
-
-if TYPE_CHECKING:
-    from ..runtime.step import StaticStep
-    from ..runtime.width import VerifyCost
 
 
 @dataclass(frozen=True)
@@ -90,10 +83,10 @@ class _Pool:
 
 class EagleDrafter(Drafter):
     name = "eagle"
-    static_step: "StaticStep | None" = None   # the verify step the head's static passes match (use_step)
+    static_step: "VerifyStep | None" = None   # the verify step the head's static passes match (use_step)
     _static = None                            # ``_static_pass``, compiled as that step is (``step.function``)
     # Width fitting's prices (``use_cost``): with them, drafting stops at the level that would not pay.
-    cost: "VerifyCost | None" = None
+    cost: "WidthFit | None" = None
     cost_rows: int | None = None              # the rows its passes run (a static step's); None: the live rows
     level_stop: bool = True                   # False: every level the tree spec allows, priced or not (A/B runs)
 
@@ -131,26 +124,24 @@ class EagleDrafter(Drafter):
     def max_nodes(self) -> int:
         return 1 + self.nodes + self.lookup
 
-    def use_cost(self, cost: "VerifyCost | None", rows: int | None = None) -> None:
+    def use_cost(self, cost: "WidthFit | None", rows: int | None = None) -> None:
         self.cost, self.cost_rows = cost, rows
 
     def _level_pays(self, drafted: torch.Tensor, children: torch.Tensor, active: list[int], spent: float) -> bool:
-        """Whether one more level is expected to pay on this machine (``budget.level_pays``). drafted (R, n):
+        """Whether one more level is expected to pay on this machine (``runtime.width.level_pays``). drafted (R, n):
         the rows' drafted chances so far; children (R, k): what each row's next level is expected to add
         (its ``expand`` best nodes' chances times the last level's mean top probability: what a child
         keeps of its parent's chance), for the ``active`` rows. Priced by the pass's cost curve and the
         last levels' measured seconds at this many rows; unmeasured (the first level drafted at a row
         count), it pays, and is measured."""
-        from ..runtime.width import level_pays  # budget imports the drafters' package
-
         seen = self.level_s.get(len(active))
         if not seen:
             return True
         on = set(active)
-        table = self.cost.table(self.cost_rows or len(drafted), self.max_nodes)
-        return level_pays([drafted[b] for b in range(len(drafted))],
-                          [children[b] if b in on else children[b, :0] for b in range(len(children))],
-                          table, spent=spent, level=min(seen))
+        return self.cost.level_pays([drafted[b] for b in range(len(drafted))],
+                                    [children[b] if b in on else children[b, :0] for b in range(len(children))],
+                                    rows=self.cost_rows or len(drafted), widest=self.max_nodes, spent=spent,
+                                    level=min(seen))
 
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -421,11 +412,10 @@ class EagleDrafter(Drafter):
         return Draft(tree=tree, tokens=pool.tokens[b, nodes], q=q_full, q_index=q_index, path_p=score_b[nodes].exp())
 
     # ------------------------------------------------------------------ static shapes (compile=True)
-    def use_step(self, step: StaticStep | None) -> None:
-        """Decode with ``step`` (None: eagerly): the head's calls then run at static shapes, compiled as it is,
-        if ``static_head`` says so, by default on the devices of ``settings.STATIC_EAGLE_HEAD_DEVICES``."""
-        static = self.static_head if self.static_head is not None else \
-            step is not None and step.backbone.device.type in STATIC_EAGLE_HEAD_DEVICES
+    def use_step(self, step: VerifyStep | None) -> None:
+        """Decode with ``step`` (None: eagerly): the head's calls then run at static shapes, compiled as it is
+        (``compile=True`` compiles the draft levels with the verify pass), unless ``static_head=False``."""
+        static = self.static_head is not False
         if step is None or not static:
             self.static_step = self._static = None
         elif step is not self.static_step:
@@ -442,7 +432,7 @@ class EagleDrafter(Drafter):
         return 1 + max(self.depth, self.lookup)
 
     @torch.no_grad()
-    def warm_up(self, step: StaticStep, *, batch: int = 1) -> None:
+    def warm_up(self, step: VerifyStep, *, batch: int = 1) -> None:
         """Compile now every static head pass decoding batches of ``batch`` rows with ``step`` (its capacity
         reserved) can run: a draft level, and a commit at every bucket an accepted path can fill."""
         self.use_step(step)

@@ -20,7 +20,7 @@ weak cue (its copy is right about a quarter of the time), but one that most step
 How likely a copied chain is to be accepted depends on the match that found it: measured on the
 target's own answers, the first token copied after a match of four tokens or more is right 88% of
 the time, after two 48%, after one 23% (``settings.COPY_ACCEPT_BY_MATCH``). Each copied node's
-path probability (``Draft.path_p``) says so, and width fitting (``budget.py``) verifies as much of
+path probability (``Draft.path_p``) says so, and width fitting (``runtime/width.py``) verifies as much of
 each chain as the step's pass is worth on the machine: the long tail of a strong match, the first
 token or two of a weak one, or none of it. Where a greedy chain runs through nodes the heads drafted
 too, each such node takes the larger of the two chances (``grafted_path_p``): the copy's evidence is
@@ -153,7 +153,7 @@ def grafted_path_p(draft: Draft, tree: Tree, tokens: Sequence[int], chain: Seque
     copied nodes under it build on that. Without it, a strong match (88% first-token acceptance)
     that runs through a drafted node of chance 0.2 would inherit the 0.2 and be cut by width
     fitting, and the combined drafter would verify less of it than the lookup alone. When sampling
-    it stays off: a kept node's score must not depend on the token drawn at it (``budget.py``).
+    it stays off: a kept node's score must not depend on the token drawn at it (``runtime/width.py``).
     Either way a node's chance never exceeds its parent's."""
     n_old = draft.tree.size
     old = draft.path_p.float() if draft.path_p is not None else prior_path_p(draft.tree).to(draft.tokens.device)

@@ -2,11 +2,10 @@
 
 A batched pass verifies every row's tree padded to the largest (``decode.verify_rows``), so one row
 with a long lookup chain makes every row pay for that width. On a GPU a pass of a few tokens per
-row costs about what one costs; on a CPU the cost climbs with the width (2-core CPU, demo model, 8
-rows: width 2 costs 1.5x width 1, width 9 2.3x; one row: width 2 1.5x, width 9 1.7x, timed with
-``VerifyCost`` on that machine), and verifying whole trees at batch 8 ran at 0.67x-0.80x of decoding
-without drafts (``selfspec bench``, docs/results/cpu-heldout24-b8-fit). Trees and thresholds are tuned once
-(``tune-tree``), on one machine; the cost curve is the machine's own.
+row costs about what one costs; on a CPU the cost climbs with the width, by how much depends on the
+CPU (``scripts/forward_cost.py`` shows the curve), and in a batch whole trees can cost more than they
+commit. Trees and thresholds are tuned once (``tune-tree``), on one machine; the cost curve is the
+machine's own, measured where it runs.
 
 So each greedy step picks the width w that maximises the batch's expected tokens per second
 (a batch of one included): sum over rows of (1 + the w - 1 likeliest nodes' chances) / the pass's measured cost at
@@ -29,14 +28,14 @@ independent of the acceptance at that node: the same as deciding how many childr
 drawing them. ``tests/test_batch.py`` checks the output distribution with every width cut.
 
 Drafting itself is priced too, where it comes in stages. The EAGLE head drafts its tree level by
-level, each level one head call: on the 2-core AVX2 CPU about 8% of a one-token pass, on a GPU a
-small share of a step whose pass costs the same for 1 or 64 nodes. So before each level the drafter
+level, each level one head call: on a CPU a visible share of a one-token pass, on a GPU a small
+share of a step whose pass costs the same for 1 or 64 nodes. So before each level the drafter
 asks ``level_pays``: with the nodes drafted so far, the step's best rate is its best width's expected
 tokens over (the pass's cost + the seconds drafted so far); the next level is expected to add the
 current level's best nodes' chances times what a child kept of its parent's chance at the last
 level, and costs what the last levels at this row count measured (the fastest of the last three). If
-the rate with those nodes, after paying for the level, is not higher, drafting stops. On that CPU
-this stops most trees after a level or two; where verifying is flat and levels are cheap it lets a
+the rate with those nodes, after paying for the level, is not higher, drafting stops. Where a wide
+pass is dear this stops most trees after a level or two; where verifying is flat and levels are cheap it lets a
 confident tree grow to its depth. Like the cut, it never changes what acceptance commits, and when
 sampling it reads only the scores a node has before its token is drawn (rank scores, below).
 
@@ -174,6 +173,11 @@ class VerifyCost:
         self._seen: dict[tuple[int, int], deque] = {}        # (rows, width) -> seconds of its last steps
         self._met: set[tuple[int, int]] = set()              # (rows, width) pairs whose first step was seen
         self._steps: dict[int, int] = {}                     # rows -> widths chosen so far
+
+    def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
+                   spent: float, level: float) -> bool:
+        """``level_pays`` priced by this machine's pass at ``rows`` rows (widths up to ``widest``)."""
+        return level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
 
     def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]:
         """Every row's draft cut to the width this step's pass is worth (``fit_width``)."""

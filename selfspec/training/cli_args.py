@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 STATE_FILE = "trainer_state.pt"   # as training/checkpoint.py writes it (that module imports torch)
-GROUP_BY_LENGTH_HELP = ("micro-batches of sequences of similar lengths: less padding (2.8x eagle throughput on a CPU), but "
+GROUP_BY_LENGTH_HELP = ("micro-batches of sequences of similar lengths: less padding (more sequences a second), but "
                         "some batches hold only long sequences, so peak memory is that of batch-size sequences of --max-len "
                         "(true | false)")
 

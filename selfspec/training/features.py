@@ -91,7 +91,7 @@ def extract_features(model, seqs: list[Sequence], *, exit_layer: int, batch_size
 
     Each chunk is keyed by its own content, so a dataset that grew by new shards re-uses every
     earlier chunk and computes only the new ones. ``dtype="bfloat16"`` runs the pass under bfloat16
-    autocast (about 1.4x faster on a CPU with AVX512-BF16; the features are stored as float16 either
+    autocast (faster on a CPU with BF16 instructions or a GPU; the features are stored as float16 either
     way). Batches are length-sorted within a chunk, so there is little padding.
     """
     if dtype not in FEATURE_DTYPES:

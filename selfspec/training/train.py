@@ -229,7 +229,7 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              "init": "warm start: heads directory (same kind and shape) whose weights and draft vocabulary this run starts from, with a fresh optimizer and schedule",
              "token_input": "medusa: heads also read the root token's embedding (true | false)",
              "head_mlp": "medusa: comma-separated widths of an extra residual MLP per head (e.g. 1024,1024: heads 1 and 2; empty: none)",
-             "mixed_precision": "auto (bf16 on CUDA, none on CPU) | no | bf16 (bf16 on a CPU with AVX512-BF16 or AMX: ~1.7x faster eagle steps here)",
+             "mixed_precision": "auto (bf16 on CUDA, none on CPU) | no | bf16 (on a CPU, faster only with AVX512-BF16 or AMX)",
              "group_by_length": GROUP_BY_LENGTH_HELP,
              "feature_dtype": "float32 | bfloat16: precision of the one-off backbone feature pass (bfloat16: faster on CPUs with BF16)",
              "num_heads": "medusa: heads, one per draft depth",

@@ -91,17 +91,16 @@ TUNE_TOLERANCE = 0.03
 TAU_TOLERANCE = 0.02
 MEDUSA_SIZES = (3, 4, 6, 8, 12)  # nodes; on a CPU every verified token costs, so small trees often win
 EXIT_TREES = ("chain-1", "chain-1-w4", "chain-2", "chain-2-w2", "chain-3", "chain-4")
-# Also timed cut by confidence (all of the above are timed uncut). On the 2-core dev CPU, verifying
-# any 1-15 draft nodes costs ~1.4-1.9 plain steps (it varies from day to day): a Medusa step pays off only if it
-# expects most of a token accepted (gate), and an exit chain node, half a step to draft, only when it is likely.
+# Also timed cut by confidence (all of the above are timed uncut). Where verifying draft nodes costs a good
+# share of a plain step (many CPUs), a Medusa step pays off only if it expects most of a token accepted (gate),
+# and an exit chain node, half a step to draft, only when it is likely.
 MEDUSA_GATED = ((4, 0.5), (4, 0.8), (8, 0.5), (8, 0.8))          # (nodes, gate)
 # And with context lookup (drafters/lookup.py): (nodes, gate, most tokens copied per step).
 MEDUSA_LOOKUP = ((4, 0.0, 4), (4, 0.0, 8), (8, 0.0, 4), (8, 0.0, 8), (4, 0.8, 8), (8, 0.5, 8), (12, 0.0, 8), (8, 0.0, 12))
 EXIT_PRUNED_TREES = ("chain-1", "chain-2", "chain-4")
 # eagle: (dynamic tree, threshold, lookup); depth / expand / nodes span a cheap chain-like tree to a wide one.
-# The last rows cut hard by confidence: where a verified node costs a good share of a plain step (on the
-# 2-core dev CPU each one adds ~0.2 of it), a node pays only if its path probability beats about that
-# share of what a step yields, so thresholds of 0.2-0.4 keep the likely nodes of a deep tree and drop the rest.
+# The last rows cut hard by confidence: where a verified node costs a good share of a plain step, a node
+# pays only if its path probability beats about that share of what a step yields, so thresholds of 0.2-0.4 keep the likely nodes of a deep tree and drop the rest.
 EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-3-6", 0.0, 0), ("dynamic-5-4-8", 0.0, 0),
               ("dynamic-6-4-12", 0.0, 0), ("dynamic-5-4-8", 0.05, 0), ("dynamic-6-4-12", 0.05, 0),
               ("dynamic-5-3-6", 0.15, 0), ("dynamic-6-4-8", 0.1, 0),
