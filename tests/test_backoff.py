@@ -113,3 +113,13 @@ def test_backoff_comes_back_when_drafting_starts_to_pay():
     _feed(b, 300, spec_rate=0.7, plain_rate=1.0)
     later = _feed(b, 3 * Backoff.MAX_HOLD, spec_rate=2.0, plain_rate=1.0)
     assert sum(later[-Backoff.MAX_HOLD:]) > 0.9 * Backoff.MAX_HOLD
+
+
+def test_a_hold_carries_over_to_the_next_generate_call():
+    """Short generations must not each pay a probe: once drafting was found not to pay, the next decode
+    (``start``) begins where the hold left off."""
+    b = Backoff()
+    first = _feed(b, 40, spec_rate=0.5, plain_rate=1.0)
+    assert not first[-1], "drafting is off at the end of the first decode"
+    b.start()
+    assert _feed(b, 5, spec_rate=0.5, plain_rate=1.0) == [False] * 5

@@ -9,10 +9,11 @@ loop asks ``Backoff.draft_now`` before each step and reports each step's committ
 * it measures plain steps now and then (``PLAIN_PROBE`` of them every ``RECHECK`` steps, and first
   after ``WINDOW`` speculative ones), so that it knows the rate to beat on this machine at this
   context length;
-* after each ``WINDOW`` speculative steps it compares their median rate with the plain one; where
-  speculation does not beat it by ``MARGIN``, it turns drafting off for ``hold`` steps, then probes
-  again with ``WINDOW`` speculative steps; each failed probe doubles ``hold`` (up to ``MAX_HOLD``),
-  a probe that pays resets it.
+* after each ``WINDOW`` speculative steps it compares their rate (their tokens over their seconds: a
+  drafter whose gains come in bursts, as a lookup's do, is judged by what the bursts add up to, not by
+  its typical step) with the plain one; where speculation does not beat it by ``MARGIN``, it turns
+  drafting off for ``hold`` steps, then probes again; each failed probe doubles ``hold`` (up to
+  ``MAX_HOLD``), a probe that pays resets it. A hold carries over to the next ``generate`` call.
 
 A plain step is what ``NoDrafter`` does (the pending token alone), and the drafter still commits it
 (its state follows every committed token), so the back-off only changes what is drafted: greedy
@@ -21,19 +22,18 @@ output stays token-identical, and sampling stays exactly the target's distributi
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 
 class Backoff:
-    WINDOW = 8          # speculative steps judged together (their median rate)
+    WINDOW = 8          # speculative steps judged together (their tokens over their seconds)
     PLAIN_PROBE = 2     # plain steps that measure the rate to beat
     RECHECK = 64        # while speculation pays, the plain rate is measured again this often
     MARGIN = 0.03       # speculation must beat plain steps by this share to stay on
     FIRST_HOLD, MAX_HOLD = 16, 512   # steps drafting stays off after a failed probe (doubling)
 
     def __init__(self):
-        self.plain: deque = deque(maxlen=2 * self.PLAIN_PROBE)   # per-row tokens/s of recent plain steps
+        self.plain: deque = deque(maxlen=2 * self.PLAIN_PROBE)   # (tokens a row, seconds) of recent plain steps
         self.spec: deque = deque(maxlen=self.WINDOW)              # ... of the speculative steps being judged
         self.hold = self.FIRST_HOLD
         self.plan: deque = deque()        # the coming steps' modes (True: draft), when one is set
@@ -53,11 +53,10 @@ class Backoff:
         if self.skip_first:
             self.skip_first = False
             return
-        rate = tokens / rows / max(seconds, 1e-9)
         if not drafted:
-            self.plain.append(rate)
+            self.plain.append((1.0, seconds))
             return
-        self.spec.append(rate)
+        self.spec.append((tokens / rows, seconds))
         self.since_plain += 1
         if self.plan:
             return
@@ -67,7 +66,7 @@ class Backoff:
             return
         if len(self.spec) < self.WINDOW:
             return
-        if statistics.median(self.spec) < (1 + self.MARGIN) * statistics.median(self.plain):
+        if _rate(self.spec) < (1 + self.MARGIN) * _rate(self.plain):
             self.plan.extend([False] * self.hold)                 # off for a while, then probe again
             self.hold = min(2 * self.hold, self.MAX_HOLD)
         else:
@@ -75,7 +74,12 @@ class Backoff:
         self.spec.clear()
 
     def start(self) -> None:
-        """A new decode: what was learned stays (the machine has not changed), its first step is not counted."""
+        """A new decode: what was learned stays (the machine and drafter have not changed), and so does a hold
+        in progress (short generations would otherwise each pay a probe); its first step is not counted."""
         self.skip_first = True
-        self.plan.clear()
         self.spec.clear()
+
+
+def _rate(steps) -> float:
+    """Tokens a second a row over ``steps`` ((tokens a row, seconds) each)."""
+    return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9)
