@@ -618,3 +618,69 @@ def test_the_head_runs_static_under_a_static_step_unless_told():
         assert drafter._static is None and drafter.static_step is None
     with pytest.raises(ValueError, match="static_head must be"):
         EagleDrafter(bb, heads, static_head="yes")
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("depth, expand, nodes", [(1, 2, 2), (2, 2, 3), (3, 2, 4), (4, 3, 12), (5, 4, 8), (3, 4, 40)])
+def test_the_device_side_cut_gives_every_row_the_tree_the_row_by_row_cut_gives(depth, expand, nodes, sampling,
+                                                                             monkeypatch, one_thread):
+    """``_cut`` (every row's tree picked, renumbered and its mask built at once on the device) against
+    ``_cut_row`` (the row-by-row cut on the host that came before it), on the same pools of a batch of rows
+    drafted by a jittered head: the same tree (parents, depths, ranks, ancestors), the same tokens in the
+    same order, the same path probabilities and q rows, at every depth and width."""
+    from selfspec.drafters import eagle as eagle_mod
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "t")
+    jitter(heads.module, 0.3, seed=depth * 10 + expand)
+    drafter = EagleDrafter(bb, heads, depth=depth, expand=expand, nodes=nodes)
+    pools = []
+    real_cut = eagle_mod.EagleDrafter._cut
+    monkeypatch.setattr(eagle_mod.EagleDrafter, "_cut", lambda self, pool, s: pools.append(pool) or real_cut(self, pool, s))
+    params = SamplingParams(do_sample=True, temperature=1.0) if sampling else SamplingParams()
+    prompts = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 7)]
+    from selfspec.core.decode import decode_rows
+
+    decode_rows(bb, drafter, prompts, params=params, max_new_tokens=10, eos_token_ids=set(),
+                generator=torch.Generator().manual_seed(0) if sampling else None)
+    assert pools, "not vacuous: steps were cut"
+    for pool in pools:
+        batched = real_cut(drafter, pool, sampling)
+        for b, got in enumerate(batched):
+            want = drafter._cut_row(pool, b, sampling)
+            for name in ("parents", "depths", "ranks", "ancestors"):
+                assert torch.equal(getattr(got.tree, name), getattr(want.tree, name)), (b, name)
+            assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.path_p, want.path_p)
+            if sampling:
+                assert torch.equal(got.q_index, want.q_index) and torch.equal(got.q, want.q)
+
+
+@pytest.mark.parametrize("kind", ["none", "medusa", "eagle"])
+def test_a_greedy_step_reads_the_host_once(kind, one_thread, monkeypatch):
+    """Counted with every tensor -> host conversion patched (``item``, ``tolist``, ``bool``, ``int``,
+    ``float``, ``index``, ``cpu``, ``numpy``): with width fitting off, a greedy step of plain decoding,
+    Medusa or EAGLE reads the host once (the accepted paths); the prefill reads a few times."""
+    from selfspec.core.decode import decode_rows
+    from selfspec.drafters import MedusaDrafter, NoDrafter
+    from selfspec.settings import MEDUSA_DEFAULT
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    drafter = {"none": lambda: NoDrafter(bb.device),
+               "medusa": lambda: MedusaDrafter(bb, untrained_heads("medusa", model, "t"), build_tree(MEDUSA_DEFAULT)),
+               "eagle": lambda: EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=4, expand=3, nodes=8)}[kind]()
+    prompts = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9)]
+    run = lambda: decode_rows(bb, drafter, prompts, params=SamplingParams(), max_new_tokens=24,  # noqa: E731
+                              eos_token_ids=set(), generator=None)
+    run()   # warm-up: lazily built trees and caches
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, (lambda real, name: lambda self, *a, **k: reads.append(name) or
+                                                 real(self, *a, **k))(real, name))
+    _, stats = run()
+    monkeypatch.undo()
+    steps = stats.target_forwards - 1          # one pass serves every row: one read a pass
+    assert steps > 5 and (kind == "none" or stats.drafted > 0), "not vacuous"
+    assert len(reads) <= steps + 4, f"{len(reads)} host reads over {steps} steps: {sorted(set(reads))}"

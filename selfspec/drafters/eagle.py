@@ -217,12 +217,12 @@ class EagleDrafter(Drafter):
             feature[b, : sizes[b]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(first.dtype)
             tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
         positions = starts[:, None] + torch.arange(N, device=dev)
-        T = int(starts.max()) + N
+        T = max(d.committed for d in drafters) + N
         visible = torch.arange(T, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
         run = first._run(first.head.fuse(feature), tokens, positions, additive_mask(visible, first.dtype),
                          rows=[d.row for d in drafters])
         for b, d in enumerate(drafters):
-            d.committed = int(starts[b]) + sizes[b]
+            d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
             d.cache.row(d.row).truncate(d.committed)                  # the padding slots of shorter paths
             d.root_state = run[b: b + 1, sizes[b] - 1: sizes[b]]
 
@@ -520,7 +520,7 @@ class EagleDrafter(Drafter):
         run = self._static(self.cache.keys, self.cache.values, aux, tokens, positions, slots, limit,
                            slots[..., None].clone(), True)
         for b, d in enumerate(drafters):
-            d.committed = int(starts[b]) + sizes[b]
+            d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
             d.root_state = run[d.row: d.row + 1, sizes[b] - 1: sizes[b]]
             self.cache.lengths[0][d.row] = d.committed   # the host's view (``KVCache.layer``) follows
 
