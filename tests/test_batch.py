@@ -607,6 +607,11 @@ class _CyclingWidths:
         self.cut += sum(int(c.numel() >= w) for c in chances)   # rows that lose nodes this step
         return w
 
+    def level_pays(self, chances, children, *, rows, widest, spent, level):
+        from selfspec.runtime import width
+
+        return width.level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
+
     def fit(self, drafts, widest, rows=None):
         from selfspec.runtime.width import fit_width
 

@@ -229,6 +229,11 @@ class _Cycling:
     def width(self, chances, widest, rows=None):
         return best_width(chances, self.table(len(chances), widest))
 
+    def level_pays(self, chances, children, *, rows, widest, spent, level):
+        from selfspec.runtime import width
+
+        return width.level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
+
     def fit(self, drafts, widest, rows=None):
         from selfspec.runtime.width import fit_width
 
