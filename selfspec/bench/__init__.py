@@ -17,7 +17,8 @@ from ..loading import check_model_name, load_model
 from ..settings import CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
-from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, DRAFT_METHODS, load_prompts, run_bench
+from .engines import DEFAULT_VLLM_SPEC_TOKENS, ENGINE_METHODS, check_engines, export_eagle3
+from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, DRAFT_METHODS, ENGINE_METHOD_NAMES, load_prompts, run_bench
 from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, resolve_auto, split_variant
 from .report import decoding_mode, markdown, write_report
 
@@ -34,7 +35,8 @@ def add_bench_args(p) -> None:
                         "all (the default) leaves out those that need --draft-model when none is given; "
                         "a method with heads takes other heads as METHOD@DIR (e.g. selfspec-medusa@out/heads "
                         "beside selfspec-medusa: two trainings in one run), and one whose lookup reads a corpus "
-                        "takes another corpus the same way (selfspec-lookup@out/corpus beside selfspec-lookup)")
+                        "takes another corpus the same way (selfspec-lookup@out/corpus beside selfspec-lookup); "
+                        f"the serving engines, after `make engines`: {', '.join(ENGINE_METHOD_NAMES)}")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (identical-output check on); > 0: every method samples at this temperature, hf-generate too")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -52,6 +54,11 @@ def add_bench_args(p) -> None:
                    help="prompts per generate call (left-padded batches, file order); methods that refuse batches are reported as refused")
     p.add_argument("--compile", action="store_true",
                    help="selfspec's methods verify through a compiled static-shape step (compiled during the warm-up)")
+    p.add_argument("--engines-python", default=None,
+                   help="the Python the engine methods run in (default: $SELFSPEC_ENGINES_PYTHON, else "
+                        ".venv-engines/bin/python, where `make engines` installs vLLM and llama-cpp-python)")
+    p.add_argument("--vllm-spec-tokens", type=int, default=DEFAULT_VLLM_SPEC_TOKENS,
+                   help="vllm-eagle3: tokens the EAGLE head drafts a step (a chain)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS where set, else all cores)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -80,6 +87,7 @@ def check_bench_args(args) -> tuple[list[str], str | None]:
         print(f"selfspec bench: {', '.join(left_out)} left out: they need --draft-model PATH", file=sys.stderr)
     _check_selfspec_flags(args, names)
     check_corpus_arg(args.corpus)
+    _check_engine_flags(args, names)
     if auto is not None:
         print(f"selfspec bench: {AUTO_METHOD} runs as {auto}, the drafter \"auto\" picks for {args.model} "
               f"{'when sampling' if args.temperature > 0 else 'greedy'}", file=sys.stderr)
@@ -129,6 +137,54 @@ def _check_selfspec_flags(args, names: list[str]) -> None:
         check_model_name(str(path))
 
 
+def _check_engine_flags(args, names: list[str]) -> None:
+    """The engine methods: greedy only, a GGUF for llama.cpp, their engine installed."""
+    engines = [n for n in names if n in ENGINE_METHODS]
+    at_least(args.vllm_spec_tokens, 1, "vllm_spec_tokens")
+    if not engines:
+        return
+    if args.temperature > 0 or args.repetition_penalty != 1.0:
+        raise ValueError(f"{', '.join(engines)} decode greedily only: leave out --temperature and --repetition-penalty")
+    if any(ENGINE_METHODS[n][0] == "llamacpp" for n in engines):
+        _gguf(args.model)
+    check_engines(engines, args.engines_python)
+
+
+def _gguf(model: str) -> str:
+    """The GGUF file llama.cpp runs for --model: the alias's own, or the .gguf file given."""
+    from ..loading import DEMO_ALIASES, SPLIT_ALIASES, assembled_gguf, demo_gguf_path
+
+    if model in DEMO_ALIASES:
+        return str(demo_gguf_path(model))
+    if model in SPLIT_ALIASES:
+        return str(assembled_gguf(model))
+    if model.endswith(".gguf"):
+        return model
+    raise ValueError(f"llamacpp and llamacpp-lookup run a GGUF file: give --model a .gguf file or an alias "
+                     f"(e.g. smollm2-135m), not {model}")
+
+
+def _engines(args, names: list[str], prompts, encode, heads: dict, threads: int) -> dict | None:
+    """What the engine methods run: the target's directory (the float32 weights selfspec loads), the GGUF,
+    the EAGLE head exported for vLLM, the longest sequence the run needs."""
+    engines = [n for n in names if n in ENGINE_METHODS]
+    if not engines:
+        return None
+    from ..loading import resolve_source
+
+    target = resolve_source(args.model)[0]
+    longest = max(len(encode(p.text)[0]) for p in prompts) + args.max_new_tokens
+    eagle = None
+    if "vllm-eagle3" in engines:
+        if heads.get("eagle") is None:
+            raise ValueError("vllm-eagle3 needs EAGLE heads: give --eagle-heads DIR")
+        eagle = export_eagle3(heads["eagle"], target)
+    return {"python": check_engines(engines, args.engines_python), "target_dir": target,
+            "gguf": _gguf(args.model) if any(ENGINE_METHODS[n][0] == "llamacpp" for n in engines) else None,
+            "eagle_dir": eagle, "spec_tokens": args.vllm_spec_tokens, "threads": threads,
+            "max_model_len": -(-(longest + 64) // 1024) * 1024}
+
+
 def default_threads() -> int:
     """--threads' default: ``$OMP_NUM_THREADS`` where it is a positive whole number (the share of the cores a
     scheduler or a parallel test run gives this process: more threads than cores there only spin),
@@ -150,15 +206,21 @@ def run_bench_cli(args) -> int:
     heads = {kind: path or shipped_heads(args.model, kind) for kind, path in _heads_flags(args).items()}
     corpus_dir = _corpus_dir(args)
     corpus = None if corpus_dir is None else load_corpus(corpus_dir, fingerprint=config_fingerprint(loaded.model.config))
+    chat = bool(getattr(loaded.tokenizer, "chat_template", None))
+
+    def encode(text: str) -> torch.Tensor:
+        return torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)])
+
+    engines = _engines(args, names, prompts, encode, heads, threads)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         methods, notes = build_methods(names, model=loaded.model, tokenizer=loaded.tokenizer, model_name=loaded.name,
                                        temperature=args.temperature, repetition_penalty=args.repetition_penalty,
                                        heads=heads, draft_model=draft,
-                                       settings=_method_settings(args), corpus=corpus, compile=args.compile)
+                                       settings=_method_settings(args), corpus=corpus, compile=args.compile,
+                                       engines=engines)
     notes["corpus"] = None if corpus_dir is None else str(corpus_dir)
-    chat = bool(getattr(loaded.tokenizer, "chat_template", None))
-    results = run_bench(methods, prompts, lambda text: torch.tensor([prompt_ids(loaded.tokenizer, text, chat=chat)]),
+    results = run_bench(methods, prompts, encode,
                         model=loaded.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.seed, progress=not args.json, batch_size=args.batch_size)
     p = loaded.model.get_output_embeddings().weight

@@ -43,6 +43,8 @@ ALL_METHODS = (BASELINE, "hf-static", "hf-assisted", "hf-assisted-bf16", "hf-ear
 # "-heads": the same heads and tree with the lookup off (what the heads draft on their own);
 # "-context": the lookup reads the context only, no corpus (what the corpus adds, in one run);
 # "-whole": every step verifies whole trees (no width fitting or back-off: runtime/).
+# The serving engines, run in the engines' own Python (engines.py; `make engines` installs them); not in "all".
+ENGINE_METHOD_NAMES = ("vllm", "vllm-eagle3", "vllm-ngram", "llamacpp", "llamacpp-lookup")
 # Methods that need --draft-model; "hf-assisted-bf16" gives transformers' assisted generation the
 # draft in bfloat16, the precision selfspec's draft-model drafter uses on CPUs with BF16 instructions.
 DRAFT_METHODS = frozenset({"hf-assisted", "hf-assisted-bf16", "selfspec-draft-model"})
@@ -82,6 +84,8 @@ class Method:
     fn: Callable
     runs: dict[str, Run] = field(default_factory=dict)
     refused: str | None = None   # why the method would not take a batch (transformers' own refusal)
+    quantized: bool = False      # runs other (quantized) weights: its output is not compared with the baseline
+    external: bool = False       # runs in another process (a serving engine): this process's peak memory is not its
 
 
 def load_prompts(path: str | Path, *, limit: int | None = None, sample: int | None = None, seed: int = 0) -> list[Prompt]:
@@ -247,7 +251,7 @@ def run_bench(
             wall = time.perf_counter() - t0
             for j, (p, tokens) in enumerate(zip(batch, rows)):   # the batch's stats go with its first row
                 m.runs[p.id] = Run(tokens=list(tokens), wall_s=wall / len(batch), stats=stats if j == 0 else None,
-                                   peak_mb=_peak_mb(device))
+                                   peak_mb=None if m.external else _peak_mb(device))
             bar.update(1)
     bar.close()
 
@@ -260,7 +264,7 @@ def run_bench(
         return margins[(pid, pos)]
 
     comparisons = {
-        m.name: compare_to_baseline(by_name[BASELINE].runs, m.runs, margin) for m in methods
+        m.name: compare_to_baseline(by_name[BASELINE].runs, m.runs, margin) for m in methods if not m.quantized
     } if greedy else {}
     results = summarise(methods, prompts, comparisons)
     for m in by_name.values():
@@ -284,9 +288,10 @@ def _agg(runs: list[Run]) -> dict:
         accepted = [sum(s.accepted_by_depth[d] for s in stats if d < len(s.accepted_by_depth)) for d in range(depth)]
         out["acceptance_by_depth"] = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
         busy = sum(s.draft_s + s.verify_s + s.prefill_s for s in stats)
-        out["draft_share"] = sum(s.draft_s for s in stats) / busy if busy else 0.0
-        out["verify_share"] = sum(s.verify_s for s in stats) / busy if busy else 0.0
-        out["prefill_share"] = sum(s.prefill_s for s in stats) / busy if busy else 0.0
+        if busy:   # an engine's counters hold no clocks
+            out["draft_share"] = sum(s.draft_s for s in stats) / busy
+            out["verify_share"] = sum(s.verify_s for s in stats) / busy
+            out["prefill_share"] = sum(s.prefill_s for s in stats) / busy
     return out
 
 
@@ -309,6 +314,7 @@ def summarise(methods: list[Method], prompts: list[Prompt], comparisons: dict[st
         row["peak_memory_mb"] = max(peaks) if peaks else None
         cmp = comparisons.get(m.name)
         row["identical"] = None if cmp is None else cmp.identical
+        row["quantized"] = m.quantized
         row["diverged_prompts"] = None if cmp is None else cmp.diverged
         row["numeric_ties"] = None if cmp is None else len(cmp.ties)
         row["per_category"] = {}

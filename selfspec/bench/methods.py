@@ -17,7 +17,8 @@ from ..model import SelfSpeculativeModel, untrained_heads
 from ..runtime.step import StaticStep
 from ..settings import default_exit_layer
 from ..shipped import HEADS_DRAFTERS, LOOKUP_DRAFTERS, default_drafter
-from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, BASELINE, DRAFT_METHODS, Method
+from .engines import QUANTIZED, engine_method
+from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, BASELINE, DRAFT_METHODS, ENGINE_METHOD_NAMES, Method
 
 # The name generate() takes a cache under: transformers 5.24 renamed past_key_values to cache (the old
 # name warns, and goes in 6.0); earlier 5.x releases know only past_key_values.
@@ -49,9 +50,10 @@ def parse_methods(spec: str | None) -> list[str]:
     A selfspec method with heads may name other heads after an "@" (``selfspec-medusa@DIR``); one whose
     lookup reads a corpus may name another corpus there (``selfspec-lookup@CORPUS_DIR``)."""
     names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if split_variant(n)[0] not in (*ALL_METHODS, AUTO_METHOD) and n not in ALIASES]
+    known = (*ALL_METHODS, AUTO_METHOD, *ENGINE_METHOD_NAMES)
+    unknown = [n for n in names if split_variant(n)[0] not in known and n not in ALIASES]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}, {AUTO_METHOD}")
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(known)}")
     with_heads = [m for m, v in SELFSPEC_METHODS.items() if v[0] in HEADS_DRAFTERS]
     with_corpus = [m for m, v in SELFSPEC_METHODS.items() if reads_corpus(v[0], v[2])]
     for n in names:
@@ -142,6 +144,7 @@ def build_methods(
     settings: dict | None = None,
     corpus: Corpus | None = None,
     compile: bool = False,
+    engines: dict | None = None,
 ) -> tuple[list[Method], dict]:
     """Returns (methods, notes): notes record which heads/draft and which settings each method used.
 
@@ -151,6 +154,8 @@ def build_methods(
     settings: drafter -> {setting: value} as the user gave them ("auto" for tuned or default).
     corpus: what the lookup of the lookup, medusa and eagle methods reads where the context has no
     match (their "-context" variants never read it; a METHOD@CORPUS_DIR reads that corpus instead).
+    engines: what the engine methods run (``engines.engine_method``'s keywords bar the name, eos and
+    temperature); their workers start here.
     """
     heads, settings = heads or {}, settings or {}
     sampling = temperature > 0
@@ -307,7 +312,12 @@ def build_methods(
             fn = hf(assistant_early_exit=default_exit_layer(n_layers))
         elif name == "hf-prompt-lookup":
             fn = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        elif name in ENGINE_METHOD_NAMES:
+            if sampling or repetition_penalty != 1.0:
+                raise ValueError(f"{name} decodes greedily only: leave out --temperature and --repetition-penalty")
+            fn = engine_method(name, eos=sorted(eos_ids), **(engines or {}))
+            notes[name] = {k: str(v) for k, v in (engines or {}).items() if k != "python"}
         else:
             fn = selfspec_method(name)
-        methods.append(Method(name=name, fn=fn))
+        methods.append(Method(name=name, fn=fn, quantized=name in QUANTIZED, external=name in ENGINE_METHOD_NAMES))
     return methods, notes

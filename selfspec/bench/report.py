@@ -40,10 +40,10 @@ def markdown(result: dict) -> str:
     # The speculation's own gain: selfspec's plain loop already beats transformers' generate on overhead.
     ar = methods.get("selfspec-ar", {}).get("tokens_per_s")
     for name, m in methods.items():
-        vs_ar = f"{m['tokens_per_s'] / ar:.2f}x" if ar and name.startswith("selfspec-") else "-"
+        vs_ar = f"{m['tokens_per_s'] / ar:.2f}x" if ar and name != BASELINE else "-"
         acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or []) or "-"
         share = (f"{m['draft_share']:.0%} / {m['verify_share']:.0%}" if "draft_share" in m else "-")
-        ident = "-" if m["identical"] is None else ("yes" if m["identical"] else f"NO ({len(m['diverged_prompts'])})")
+        ident = "n/a (quantized)" if m.get("quantized") else "-" if m["identical"] is None else ("yes" if m["identical"] else f"NO ({len(m['diverged_prompts'])})")
         if m.get("numeric_ties"):
             ident += f", {m['numeric_ties']} numeric ties"
         lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {_f(m['speedup'])}x | {_f(m['speedup_median'])}x | {vs_ar} | "

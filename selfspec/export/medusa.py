@@ -7,8 +7,10 @@ an extra MLP, scored by the target's LM head rows (written out per head).
 * ``medusa-vllm``: ``config.json`` (``architectures: ["MedusaModel"]``, ``num_heads``,
   ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``, ``medusa_fc_bias``)
   and ``model.safetensors`` with ``blocks.{h}.layers.0.{weight,bias}`` and ``lm_heads.{h}.weight``.
-  A draft vocabulary is kept: ``lm_heads`` hold its rows, ``token_map`` (int64) maps its ids to the
-  target's, and vLLM scatters the logits into the full vocabulary.
+  A draft vocabulary is written as full-vocabulary LM heads whose rows outside it are zero (logit 0:
+  below the draft's best token wherever that token's logit is positive, as it nearly always is). vLLM's
+  own form for it, a ``token_map`` with truncated heads, does not load in vLLM 0.32 (its Medusa heads are
+  sized to the full vocabulary, and the loader asserts that size after cutting the rows to the map).
 * ``medusa-tgi``: ``config.json`` with ``medusa_num_heads``, ``medusa_num_layers`` and
   ``base_model_name_or_path`` (and no ``architectures``: TGI then looks for a speculator of another
   kind), weights in ``medusa_lm_head.safetensors``: ``{h}.0.linear.{weight,bias}`` and the head's LM head
@@ -45,8 +47,12 @@ def files(heads: Heads, *, fmt: str, lm_head: torch.Tensor, dtype: torch.dtype, 
     """({file name: tensors}, config.json) for ``fmt``. ``lm_head``: the target's (V, H) LM head."""
     c = heads.config
     vocab = heads.draft_vocab
-    rows = lm_head if vocab is None else lm_head.index_select(0, vocab.to(lm_head.device))
-    rows = rows.detach().cpu().to(dtype).contiguous()
+    rows = lm_head.detach().cpu().to(dtype)
+    if vocab is not None:   # the draft vocabulary's rows, zero elsewhere
+        keep = torch.zeros(rows.shape[0], dtype=torch.bool)
+        keep[vocab.cpu()] = True
+        rows = rows.masked_fill(~keep[:, None], 0)
+    rows = rows.contiguous()
     out: dict[str, torch.Tensor] = {}
     for h, block in enumerate(heads.module.blocks):
         w = block.linear.weight.detach().cpu().to(dtype).contiguous()
@@ -58,8 +64,6 @@ def files(heads: Heads, *, fmt: str, lm_head: torch.Tensor, dtype: torch.dtype, 
             out[f"{h}.0.linear.weight"], out[f"{h}.0.linear.bias"] = w, b
             out[f"{h}.1.weight"] = rows.clone()
     if fmt == "medusa-vllm":
-        if vocab is not None:
-            out["token_map"] = vocab.detach().cpu().to(torch.int64).contiguous()
         config = {"architectures": [VLLM_ARCH], "model_type": "medusa", "hidden_size": c.hidden_size,
                   "vocab_size": c.vocab_size, "truncated_vocab_size": rows.shape[0], "num_heads": c.num_heads,
                   "num_hidden_layers": 1, "medusa_fc_bias": True, "torch_dtype": str(dtype).removeprefix("torch."),
