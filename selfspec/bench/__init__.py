@@ -17,7 +17,7 @@ from ..loading import check_model_name, load_model
 from ..settings import CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
-from .engines import DEFAULT_VLLM_SPEC_TOKENS, ENGINE_METHODS, check_engines, export_eagle3
+from .engines import DEFAULT_VLLM_SPEC_TOKENS, ENGINE_METHODS, check_engines, these, export_eagle3
 from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, DRAFT_METHODS, ENGINE_METHOD_NAMES, load_prompts, run_bench
 from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, resolve_auto, split_variant
 from .report import decoding_mode, markdown, write_report
@@ -144,7 +144,7 @@ def _check_engine_flags(args, names: list[str]) -> None:
     if not engines:
         return
     if args.temperature > 0 or args.repetition_penalty != 1.0:
-        raise ValueError(f"{', '.join(engines)} decode greedily only: leave out --temperature and --repetition-penalty")
+        raise ValueError(f"{these(engines, 'decode')} greedily only: leave out --temperature and --repetition-penalty")
     if any(ENGINE_METHODS[n][0] == "llamacpp" for n in engines):
         _gguf(args.model)
     check_engines(engines, args.engines_python)

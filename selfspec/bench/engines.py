@@ -42,8 +42,17 @@ QUANTIZED = frozenset({"llamacpp", "llamacpp-lookup"})   # run the GGUF's quanti
 
 def engines_python(given: str | None = None) -> Path:
     """The engines' Python: ``given``, else ``$SELFSPEC_ENGINES_PYTHON``, else ``.venv-engines/bin/python``
-    under the current directory (where ``make engines`` puts it)."""
-    return Path(given or os.environ.get(ENGINES_PYTHON_ENV) or Path(ENGINES_VENV) / "bin" / "python")
+    in the current directory or in the repository this package runs from (where ``make engines`` puts it)."""
+    if given or os.environ.get(ENGINES_PYTHON_ENV):
+        return Path(given or os.environ[ENGINES_PYTHON_ENV])
+    places = [Path.cwd(), Path(__file__).resolve().parents[2]]
+    return next((p / ENGINES_VENV / "bin" / "python" for p in places if (p / ENGINES_VENV / "bin" / "python").is_file()),
+                Path(ENGINES_VENV) / "bin" / "python")
+
+
+def these(names: list[str], verb: str) -> str:
+    """"vllm needs" / "vllm, vllm-ngram need": the methods and a verb that agrees with them."""
+    return f"{', '.join(names)} {verb + 's' if len(names) == 1 else verb}"
 
 
 def check_engines(names: list[str], python: str | None = None) -> Path | None:
@@ -56,7 +65,7 @@ def check_engines(names: list[str], python: str | None = None) -> Path | None:
     how = (f"run `make engines` (vLLM's CPU build and llama-cpp-python in {ENGINES_VENV}), or point "
            f"--engines-python (or ${ENGINES_PYTHON_ENV}) at a Python that has them")
     if not py.is_file():
-        raise ValueError(f"{', '.join(n for n in names if n in ENGINE_METHODS)} need the engines' Python, and "
+        raise ValueError(f"{these([n for n in names if n in ENGINE_METHODS], 'need')} the engines' Python, and "
                          f"{py} does not exist: {how}")
     probe = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
     missing = subprocess.run([str(py), "-c", probe, *wanted], capture_output=True, text=True, timeout=120).stdout.split()
