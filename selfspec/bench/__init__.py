@@ -181,7 +181,8 @@ def _engines(args, names: list[str], prompts, encode, heads: dict, threads: int)
         eagle = export_eagle3(heads["eagle"], target)
     return {"python": check_engines(engines, args.engines_python), "target_dir": target,
             "gguf": _gguf(args.model) if any(ENGINE_METHODS[n][0] == "llamacpp" for n in engines) else None,
-            "eagle_dir": eagle, "spec_tokens": args.vllm_spec_tokens, "threads": threads,
+            "eagle_dir": eagle, "eagle_heads": None if eagle is None else str(heads["eagle"]),
+            "spec_tokens": args.vllm_spec_tokens, "threads": threads,
             "max_model_len": -(-(longest + 64) // 1024) * 1024}
 
 

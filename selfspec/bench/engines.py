@@ -153,8 +153,9 @@ def export_eagle3(heads_dir, target_dir: str) -> str:
 
 
 def engine_method(name: str, *, python: Path, target_dir: str, gguf: str | None, eagle_dir: str | None,
-                  spec_tokens: int, threads: int, max_model_len: int, eos: list[int]):
-    """The bench function of engine method ``name`` (greedy decoding); its worker starts now."""
+                  eagle_heads: str | None, spec_tokens: int, threads: int, max_model_len: int, eos: list[int]):
+    """The bench function of engine method ``name`` (greedy decoding); its worker starts now. ``fn.note``
+    says what it ran, for the report."""
     engine = ENGINE_METHODS[name][0]
     config = {"engine": engine, "threads": threads, "max_model_len": max_model_len}
     if engine == "vllm":
@@ -167,6 +168,11 @@ def engine_method(name: str, *, python: Path, target_dir: str, gguf: str | None,
         if gguf is None:
             raise ValueError(f"{name} runs a GGUF file: give --model a .gguf file or the demo alias")
         config.update(model=gguf, lookup_tokens=LLAMACPP_LOOKUP_TOKENS if name == "llamacpp-lookup" else 0)
+    note = {"model": config["model"], "threads": threads}
+    if config.get("speculative"):
+        note["speculative"] = {**config["speculative"], **({"model": eagle_heads} if name == "vllm-eagle3" else {})}
+    if config.get("lookup_tokens"):
+        note["lookup_tokens"] = config["lookup_tokens"]
     print(f"selfspec bench: starting {name} in {python}", file=sys.stderr)
     worker = EngineWorker(python, config, name=name)
     batches = engine == "vllm"
@@ -177,5 +183,5 @@ def engine_method(name: str, *, python: Path, target_dir: str, gguf: str | None,
         answer = worker.request(ids=[x[0].tolist() for x in batch], max_new_tokens=n, eos=eos)
         rows = answer["tokens"]
         return rows, engine_stats(answer, sum(map(len, rows)))
-    fn.worker = worker
+    fn.worker, fn.note = worker, note
     return fn

@@ -316,7 +316,7 @@ def build_methods(
             if sampling or repetition_penalty != 1.0:
                 raise ValueError(f"{name} decodes greedily only: leave out --temperature and --repetition-penalty")
             fn = engine_method(name, eos=sorted(eos_ids), **(engines or {}))
-            notes[name] = {k: str(v) for k, v in (engines or {}).items() if k != "python"}
+            notes[name] = fn.note
         else:
             fn = selfspec_method(name)
         methods.append(Method(name=name, fn=fn, quantized=name in QUANTIZED, external=name in ENGINE_METHOD_NAMES))
