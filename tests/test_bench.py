@@ -241,7 +241,11 @@ def test_a_method_can_read_another_corpus_beside_its_own(tmp_path):
     other = f"@{tmp_path / 'corpus'}"
     names = parse_methods(f"selfspec-lookup,selfspec-lookup{other},selfspec-eagle{other}")
     assert names == [BASELINE, "selfspec-lookup", f"selfspec-lookup{other}", f"selfspec-eagle{other}"]
-    methods, notes = build_methods(names, model=model, tokenizer=None, model_name="tiny", temperature=0.0)
+    # Whole trees, no back-off: what the lookup drafts must not follow this machine's timings (under load,
+    # back-off could turn both methods to plain steps, and their taus would tie).
+    whole = {"fit_width": False}
+    methods, notes = build_methods(names, model=model, tokenizer=None, model_name="tiny", temperature=0.0,
+                                   settings={"lookup": whole, "eagle": whole})
     assert notes[f"corpus{other}"] == str(tmp_path / "corpus") and notes["eagle"] == "untrained"
     prompts = [Prompt(id=str(i), category="all", text=str(100 + i)) for i in range(3)]
 

@@ -33,7 +33,8 @@ from selfspec.shipped import shipped_heads
 
 pytestmark = [pytest.mark.engines, pytest.mark.demo]
 
-PROMPTS = [json.loads(line)["prompt"] for line in Path("scripts/demo_prompts.jsonl").read_text().splitlines() if line.strip()]
+DEMO_PROMPTS = Path(__file__).parents[1] / "scripts" / "demo_prompts.jsonl"
+PROMPTS = [json.loads(line)["prompt"] for line in DEMO_PROMPTS.read_text().splitlines() if line.strip()]
 N_NEW = 96
 K = 3                  # tokens drafted a step: vLLM's num_speculative_tokens, selfspec's chain
 TOLERANCE = 0.15       # vLLM's mean acceptance length against selfspec's tau
