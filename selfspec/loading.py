@@ -263,16 +263,23 @@ def check_model_name(name_or_path) -> str:
     return name
 
 
+def gguf_of(name: str) -> Path | None:
+    """The GGUF file behind a model name: an alias's own, or the .gguf file named; None for other names."""
+    if name in DEMO_ALIASES:
+        return demo_gguf_path(name)
+    if name in SPLIT_ALIASES:
+        return assembled_gguf(name)
+    return Path(name).expanduser() if name.endswith(".gguf") else None
+
+
 def resolve_source(name_or_path: str) -> tuple[str, str]:
     """Return (directory or hub id to hand to transformers, canonical name)."""
     name = check_model_name(name_or_path)
-    if name in DEMO_ALIASES:
-        return str(gguf_to_cached_dir(demo_gguf_path(name), name)), name
-    if name in SPLIT_ALIASES:
-        return str(gguf_to_cached_dir(assembled_gguf(name), name)), name
+    gguf = gguf_of(name)
+    if gguf is not None:
+        cache_name = name if name in DEMO_ALIASES or name in SPLIT_ALIASES else gguf.stem
+        return str(gguf_to_cached_dir(gguf, cache_name)), cache_name
     path = Path(name).expanduser()
-    if name.endswith(".gguf"):
-        return str(gguf_to_cached_dir(path, path.stem)), path.stem
     if path.is_dir() and (path / DRAFT_META_FILE).is_file():
         # A distilled draft stores only its trained tensors; rebuild the full model once (cached).
         return str(materialize_draft(path)), name

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.bench.engines import EngineWorker, check_engines, engine_env, engine_stats
+from selfspec.bench.engines import EngineWorker, check_engines, engine_env, engine_stats, last_error_line
 from selfspec.core.backbone import config_fingerprint
 from selfspec.export import export_heads
 from selfspec.heads import load_heads
@@ -162,7 +162,7 @@ def test_vllm_serve_answers_openai_client(python, target, prompts, exported, pla
     try:
         deadline = time.monotonic() + SERVE_TIMEOUT_S
         while True:
-            assert server.poll() is None, f"vllm serve stopped: {_last_error(tmp_path / 'serve.log')}"
+            assert server.poll() is None, f"vllm serve stopped: {last_error_line(tmp_path / 'serve.log')}"
             assert time.monotonic() < deadline, f"vllm serve did not start in {SERVE_TIMEOUT_S} s"
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -185,7 +185,3 @@ def test_vllm_serve_answers_openai_client(python, target, prompts, exported, pla
                 os.killpg(server.pid, signal.SIGKILL)
         log.close()
 
-
-def _last_error(path: Path) -> str:
-    lines = [s for s in path.read_text(errors="replace").splitlines() if s.strip()]
-    return ([s for s in lines if "Error" in s] or lines or ["no output"])[-1][:300]

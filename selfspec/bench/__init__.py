@@ -17,7 +17,7 @@ from ..loading import check_model_name, load_model
 from ..settings import CORPUS_HELP, DEFAULT_MAX_NEW_TOKENS, DRAFTER_SETTINGS, SETTING_HELP, SETTING_KEYS, check_settings
 from ..shipped import HEADS_DRAFTERS, shipped_corpus, shipped_draft, shipped_heads
 from ..training.cli_args import at_least, check_corpus_arg, check_output_dir, check_sampling
-from .engines import DEFAULT_VLLM_SPEC_TOKENS, ENGINE_METHODS, check_engines, these, export_eagle3
+from .engines import DEFAULT_VLLM_SPEC_TOKENS, ENGINE_METHODS, check_engines, engines_python, export_eagle3, these
 from .harness import ALIASES, ALL_METHODS, AUTO_METHOD, DRAFT_METHODS, ENGINE_METHOD_NAMES, load_prompts, run_bench
 from .methods import SELFSPEC_METHODS, build_methods, flag_prefixes, parse_methods, resolve_auto, split_variant
 from .report import decoding_mode, markdown, write_report
@@ -151,17 +151,14 @@ def _check_engine_flags(args, names: list[str]) -> None:
 
 
 def _gguf(model: str) -> str:
-    """The GGUF file llama.cpp runs for --model: the alias's own, or the .gguf file given."""
-    from ..loading import DEMO_ALIASES, SPLIT_ALIASES, assembled_gguf, demo_gguf_path
+    """The GGUF file llama.cpp runs for --model (``loading.gguf_of``), or a one-line refusal."""
+    from ..loading import gguf_of
 
-    if model in DEMO_ALIASES:
-        return str(demo_gguf_path(model))
-    if model in SPLIT_ALIASES:
-        return str(assembled_gguf(model))
-    if model.endswith(".gguf"):
-        return model
-    raise ValueError(f"llamacpp and llamacpp-lookup run a GGUF file: give --model a .gguf file or an alias "
-                     f"(e.g. smollm2-135m), not {model}")
+    gguf = gguf_of(model)
+    if gguf is None:
+        raise ValueError(f"llamacpp and llamacpp-lookup run a GGUF file: give --model a .gguf file or an alias "
+                         f"(e.g. smollm2-135m), not {model}")
+    return str(gguf)
 
 
 def _engines(args, names: list[str], prompts, encode, heads: dict, threads: int) -> dict | None:
@@ -179,7 +176,7 @@ def _engines(args, names: list[str], prompts, encode, heads: dict, threads: int)
         if heads.get("eagle") is None:
             raise ValueError("vllm-eagle3 needs EAGLE heads: give --eagle-heads DIR")
         eagle = export_eagle3(heads["eagle"], target)
-    return {"python": check_engines(engines, args.engines_python), "target_dir": target,
+    return {"python": engines_python(args.engines_python), "target_dir": target,   # checked by check_bench_args
             "gguf": _gguf(args.model) if any(ENGINE_METHODS[n][0] == "llamacpp" for n in engines) else None,
             "eagle_dir": eagle, "eagle_heads": None if eagle is None else str(heads["eagle"]),
             "spec_tokens": args.vllm_spec_tokens, "threads": threads,

@@ -46,9 +46,9 @@ class VLLM:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         from vllm import LLM
 
-        self.llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), max_model_len=cfg["max_model_len"],
+        self.llm = LLM(model=cfg["model"], dtype="float32", max_model_len=cfg["max_model_len"],
                        enforce_eager=True, speculative_config=cfg.get("speculative"), seed=0,
-                       kv_cache_memory_bytes=cfg.get("kv_cache_bytes", 1 << 30),
+                       kv_cache_memory_bytes=1 << 30,   # vLLM's CPU default reserves most of the machine's memory
                        enable_prefix_caching=False,     # each prompt pays its own prefill, as in the other methods
                        disable_log_stats=False)         # the spec-decode counters
 

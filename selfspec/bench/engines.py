@@ -84,6 +84,12 @@ def engine_env() -> dict:
     return env
 
 
+def last_error_line(log: Path) -> str:
+    """What an engine's log says went wrong: its last line naming an Error, else its last line."""
+    lines = [s for s in log.read_text(errors="replace").splitlines() if s.strip()]
+    return ([s for s in lines if "Error" in s] or lines or ["no output"])[-1].strip()[:300]
+
+
 class EngineWorker:
     """One ``engine_worker.py`` process: started with its config, then one JSON request and answer a line."""
 
@@ -94,8 +100,7 @@ class EngineWorker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=engine_env(), start_new_session=True)
         atexit.register(self.close)
-        ready = self._read(READY_TIMEOUT_S)
-        self.load_s = ready["load_s"]
+        self._read(READY_TIMEOUT_S)
 
     def _read(self, timeout: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -110,9 +115,7 @@ class EngineWorker:
         return answer
 
     def last_log_line(self) -> str:
-        lines = [s for s in Path(self.log.name).read_text(errors="replace").splitlines() if s.strip()]
-        errors = [s for s in lines if "Error" in s]
-        return (errors or lines or ["no output"])[-1].strip()[:300]
+        return last_error_line(Path(self.log.name))
 
     def request(self, **req) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")
