@@ -207,7 +207,7 @@ def test_demo_readme_python_examples_run_and_are_exact(demo, capsys):
     first = first.replace("max_new_tokens=128", f"max_new_tokens={N_NEW}")
     scope = {"torch": torch}
     exec(first, scope)
-    sm, inputs, out = scope["sm"], scope["inputs"], scope["out"]
+    inputs, out = scope["inputs"], scope["out"]
     ref = demo.model.generate(**inputs.to(demo.model.device), max_new_tokens=N_NEW, do_sample=False,
                               pad_token_id=demo.tokenizer.eos_token_id)
     assert torch.equal(out, ref), "the README's first example diverged from transformers' greedy"

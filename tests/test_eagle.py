@@ -173,13 +173,15 @@ class LoggedEagle(EagleDrafter):
         return drafts
 
 
+@pytest.mark.parametrize("threshold", [0.04, 0.0], ids=["by-level", "whole-draft"])
 @pytest.mark.parametrize("compile", [False, True], ids=["static", "compiled"])
-def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread):
+def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, threshold, one_thread):
     """With a static verify step and ``static_head`` (the default on CUDA) the head runs at static shapes
-    (its cache preallocated, every level and commit one fixed-shape call over all rows; compiled with
-    ``compile``): every step of a batch (ragged
-    rows, rows stopping at different levels under a threshold, one row finishing early) drafts the
-    trees, tokens and path probabilities the eager head drafts, and the output is the reference."""
+    (its cache preallocated, each draft level or, greedy with no threshold, a step's whole draft
+    (``_tree_pass``) and each commit one fixed-shape call over all rows; compiled with ``compile``):
+    every step of a batch (ragged rows, rows stopping at different levels under a threshold, one row
+    finishing early) drafts the trees, tokens and path probabilities the eager head drafts, and the
+    output is the reference."""
     from selfspec.core.decode import decode_rows
     from selfspec.runtime.step import StaticStep
 
@@ -205,7 +207,7 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
 
     for step in (None, StaticStep(bb, compile=compile)):
         LoggedEagle.log = []
-        drafter = LoggedEagle(bb, heads, depth=3, expand=2, nodes=3, threshold=0.04, dtype=torch.float32,
+        drafter = LoggedEagle(bb, heads, depth=3, expand=2, nodes=3, threshold=threshold, dtype=torch.float32,
                               static_head=True)
         if step is not None:   # as a benchmark's warm-up does: after it, decoding compiles nothing
             drafter.use_step(step)
@@ -215,10 +217,13 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
             step.warm_up(batch=len(prompts), max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
             drafter.warm_up(step, batch=len(prompts))
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            passes, whole = [], drafter._tree
+            drafter._tree = lambda *a: passes.append(1) or whole(*a)   # noqa: E731
         new, _ = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=24, eos_token_ids={eos},
                              generator=None, step=step)
         if step is not None:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "decoding compiled a new shape"
+            assert (len(passes) > 5) == (threshold == 0), "a greedy step with no threshold drafts in one pass"
         assert new == expected and len({len(x) for x in new}) > 1
         logs.append(LoggedEagle.log)
         if step is not None:
@@ -249,7 +254,7 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, one_thread
             assert s_paths == e_paths and s_tokens == e_tokens
             torch.testing.assert_close(s_p, e_p, atol=1e-5, rtol=1e-4)
             sizes.add(len(e_paths))
-    assert len(sizes) > 1   # not vacuous: the threshold cut trees to different sizes
+    assert len(sizes) > 1 or threshold == 0   # not vacuous: the threshold cut trees to different sizes
 
 
 def test_training_time_test_equals_what_the_drafter_computes(one_thread):

@@ -15,7 +15,8 @@ from selfspec.core.sampling import SamplingParams
 from selfspec.core.tree import build_tree, chain
 from selfspec.drafters import DraftModelDrafter
 from selfspec.training.checkpoint import STATE_FILE
-from selfspec.training.draft import DraftConfig, materialize_draft, train_draft
+from selfspec.loading import materialize_draft
+from selfspec.training.draft import DraftConfig, train_draft
 from selfspec.training.features import target_view
 from selfspec.training.split import collate, to_sequences
 from selfspec.training.tasks.draft import META_FILE, draft_loss, make_student, trained_names

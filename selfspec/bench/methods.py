@@ -240,7 +240,7 @@ def build_methods(
             drafter = sm.drafter_for(sampling)
             for b in batch_sizes:
                 sm.step.warm_up(batch=b, max_nodes=drafter.max_nodes, capture=drafter.capture_layers)
-                drafter.warm_up(sm.step, batch=b)
+                drafter.warm_up(sm.step, batch=b, sampled=sampling)
                 sm.time_costs(b)
         fn.prepare = prepare
         return fn

@@ -88,9 +88,10 @@ class Drafter:
         the rows its passes run (a static step's, else None: the live rows). A drafter that drafts in
         stages may stop where another stage would not pay on this machine."""
 
-    def warm_up(self, step, *, batch: int = 1) -> None:
+    def warm_up(self, step, *, batch: int = 1, sampled: bool = False) -> None:
         """Compile now whatever static passes of its own decoding batches of ``batch`` rows with ``step``
-        will run (a benchmark's warm-up calls it, so that no compilation falls in a timed run)."""
+        will run, greedy or ``sampled`` (a benchmark's warm-up calls it, so that no compilation falls in a
+        timed run)."""
 
     def begin(self, state: DecodeState, prefill: TargetOut) -> None:
         """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""

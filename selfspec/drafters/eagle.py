@@ -85,6 +85,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
     static_step: "VerifyStep | None" = None   # the verify step the head's static passes match (use_step)
     _static = None                            # ``_static_pass``, compiled as that step is (``step.function``)
+    _tree = None                              # ``_tree_pass`` (a greedy step's whole draft), compiled likewise
     # Width fitting's prices (``use_cost``): with them, drafting stops at the level that would not pay.
     cost: "WidthFit | None" = None
     cost_rows: int | None = None              # the rows its passes run (a static step's); None: the live rows
@@ -258,6 +259,8 @@ class EagleDrafter(Drafter):
         prices each level (``use_cost``): then one read of the level's scores per level, for all rows."""
         dev, k, R = self.backbone.device, self.expand, len(drafters)
         sampling = states[0].params.do_sample
+        if self._tree is not None and not sampling and self.threshold <= 0:
+            return self._static_grow(drafters, states)
         reads = self.threshold > 0 or (self.cost is not None and self.level_stop)
         newest = max(d.committed for d in drafters)                                             # (host)
         committed = torch.tensor([d.committed for d in drafters], device=dev)                     # (R,)
@@ -276,6 +279,7 @@ class EagleDrafter(Drafter):
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
         anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
         start, levels, frontiers = 1, [1] * R, []
+        t_level, ran = t_step, R            # the level being drafted: since when, at how many rows (level_stop)
         active, a = list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
             best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
@@ -417,9 +421,10 @@ class EagleDrafter(Drafter):
         (``compile=True`` compiles the draft levels with the verify pass), unless ``static_head=False``."""
         static = self.static_head is not False
         if step is None or not static:
-            self.static_step = self._static = None
+            self.static_step = self._static = self._tree = None
         elif step is not self.static_step:
             self.static_step, self._static = step, step.function(self._static_pass)
+            self._tree = step.function(self._tree_pass)
             self._head_storage = kv.StaticStorage(static_address=step.compiled)   # as the step keeps its cache's
 
     def _head_capacity(self) -> int:
@@ -432,9 +437,10 @@ class EagleDrafter(Drafter):
         return 1 + max(self.depth, self.lookup)
 
     @torch.no_grad()
-    def warm_up(self, step: VerifyStep, *, batch: int = 1) -> None:
+    def warm_up(self, step: VerifyStep, *, batch: int = 1, sampled: bool = False) -> None:
         """Compile now every static head pass decoding batches of ``batch`` rows with ``step`` (its capacity
-        reserved) can run: a draft level, and a commit at every bucket an accepted path can fill."""
+        reserved) can run: a greedy step's draft (``_tree_pass``) or, sampled or under a threshold, a draft
+        level, and a commit at every bucket an accepted path can fill."""
         self.use_step(step)
         if self._static is None:
             return
@@ -445,8 +451,12 @@ class EagleDrafter(Drafter):
         keys, values = cache.keys, cache.values
         H, A = self.head.fc.weight.shape[0], self.head.fc.weight.shape[1]
         idx = lambda n: torch.arange(n, device=dev)[None].repeat(batch, 1)   # noqa: E731
-        self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
-                     idx(k), idx(k)[..., None].repeat(1, 1, self.depth), False)
+        if sampled or self.threshold > 0:
+            self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
+                         idx(k), idx(k)[..., None].repeat(1, 1, self.depth), False)
+        else:
+            longs = lambda: torch.zeros(batch, dtype=torch.long, device=dev)   # noqa: E731  (no two inputs alias)
+            self._tree(keys, values, torch.zeros(batch, H, dtype=self.dtype, device=dev), longs(), longs(), longs() + 1)
         for n in sorted({self.static_step.bucket(m) for m in range(1, self._longest_path() + 1)}):   # (no two inputs alias, as in decoding)
             self._static(keys, values, torch.zeros(batch, n, A, dtype=self.dtype, device=dev), idx(n), idx(n), idx(n),
                          idx(n), idx(n)[..., None], True)
@@ -468,6 +478,78 @@ class EagleDrafter(Drafter):
         rows = torch.arange(B, device=tokens.device)[:, None].expand(B, n)
         return self.head(feature, emb, position_embeddings=bb.rotary_emb(feature, position_ids=positions),
                          cache=kv.SlotWriter(keys, values, rows, slots), attention_mask=additive_mask(visible, self.dtype))
+
+    def _tree_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], root: torch.Tensor, pending: torch.Tensor,
+                   committed: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A greedy step's whole draft for every row of the static head cache in one pass: ``depth`` levels,
+        grown, scored and cut as ``_grow`` and ``_cut`` do (the same trees, in the same node order), with
+        nothing read back. root: (B, H) each row's last committed output state; pending: (B,) its pending
+        token; committed: (B,) its committed head slots (level d's node j writes slot committed + (d - 1) k + j);
+        past: (B,) the target's past length. Returns the trees' tokens, parents, depths, ranks (B, n),
+        ancestors (B, n, n) and path probabilities (B, n)."""
+        bb, k, dev = self.backbone, self.expand, root.device
+        B, H = root.shape
+        t = torch.arange(keys[0].shape[2], device=dev)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, k)
+        score, cand = self._logits(root).float().log_softmax(-1).topk(k, dim=-1)
+        tokens = [pending[:, None], self._to_ids(cand)]
+        parents = [torch.full((B, 1), -1, device=dev), torch.zeros(B, k, dtype=torch.long, device=dev)]
+        scores = [torch.zeros(B, 1, device=dev), score]
+        prev, fidx = root[:, None], torch.zeros(B, k, dtype=torch.long, device=dev)
+        anc = torch.zeros(B, k, 0, dtype=torch.long, device=dev)     # as in ``_grow``
+        start = 1
+        for d in range(1, self.depth):
+            best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]
+            top_scores, top = scores[-1].gather(1, best), start + best
+            top_anc = anc.gather(1, best[..., None].expand(-1, -1, d - 1))
+            feature = prev.gather(1, fidx.gather(1, best)[..., None].expand(-1, -1, H))
+            own = committed[:, None] + (d - 1) * k + torch.arange(k, device=dev)                  # (B, k)
+            seen = torch.cat([committed[:, None, None] + torch.arange(d - 1, device=dev) * k + top_anc, own[..., None]], 2)
+            visible = (t < committed[:, None, None]) | (seen[..., None] == t).any(2)             # (B, k, C)
+            emb = bb.embed(tokens[-1].gather(1, best).reshape(-1)).view(B, k, -1).to(self.dtype)
+            positions = (past + d - 1)[:, None].expand(-1, k)
+            prev = self.head(feature, emb, position_embeddings=bb.rotary_emb(feature, position_ids=positions),
+                             cache=kv.SlotWriter(keys, values, rows, own),
+                             attention_mask=additive_mask(visible, self.dtype))
+            score, cand = self._logits(prev.reshape(-1, H)).float().log_softmax(-1).topk(k, dim=-1)
+            tokens.append(self._to_ids(cand).reshape(B, k * k))
+            parents.append(top.repeat_interleave(k, dim=1))
+            scores.append((top_scores[:, :, None] + score.view(B, k, k)).reshape(B, k * k))
+            fidx = torch.arange(k, device=dev).repeat_interleave(k)[None].expand(B, -1)
+            anc = torch.cat([top_anc, torch.arange(k, device=dev)[None, :, None].expand(B, k, 1)], 2).repeat_interleave(k, 1)
+            start += tokens[-2].shape[1]
+        pool, pool_parents, pool_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+        keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1
+        nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)
+        n = nodes.shape[1]
+        place = torch.full_like(pool, -1).scatter(1, nodes, torch.arange(n, device=dev).expand(B, n))
+        tree_parents = place.gather(1, pool_parents.gather(1, nodes).clamp(min=0))
+        tree_parents = torch.where(torch.arange(n, device=dev) == 0, -1, tree_parents)
+        ranks, depths, _ = self._pool_layout(self.depth)
+        _, ancestors = tree_tensors(tree_parents, max_depth=self.depth)
+        return (pool.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
+                pool_scores.gather(1, nodes).exp())
+
+    def _static_grow(self, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
+        """``_grow`` for a greedy step at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
+        over every row of the head cache (an idle row drafts at the top slots, which no row reads)."""
+        dev, k, B = self.backbone.device, self.expand, self.cache.batch
+        rows = torch.tensor([x.row for x in drafters], device=dev)
+        C = self.cache.keys[0].shape[2]
+        roots = torch.cat([x.root_state[:, 0] for x in drafters])
+        root = roots.new_zeros(B, roots.shape[-1]).index_copy_(0, rows, roots)
+        pending = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
+            0, rows, torch.tensor([s.ids[-1] for s in states], device=dev))
+        committed = torch.full((B,), C - self.depth * k, device=dev).index_copy_(
+            0, rows, torch.tensor([x.committed for x in drafters], device=dev))
+        past = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
+            0, rows, torch.tensor([s.past_len for s in states], device=dev))
+        tokens, parents, depths, ranks, ancestors, path_p = self._tree(
+            self.cache.keys, self.cache.values, root, pending, committed, past)
+        drafts = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
+                        tokens=tokens[b], path_p=path_p[b]) for b in (x.row for x in drafters)]
+        return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
+                for d, s in zip(drafts, states)]
 
     def _padded(self, rows: torch.Tensor, *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
         """The live rows' inputs (first dim R) placed at their ``rows`` (R,) of the head cache; the idle rows

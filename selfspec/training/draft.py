@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from ..core.backbone import config_fingerprint
-from ..loading import check_model_name, load_model, materialize_draft, model_config  # materialize_draft: re-exported
+from ..loading import check_model_name, load_model, model_config
 from ..settings import default_exit_layer
 from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
