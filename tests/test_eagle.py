@@ -301,7 +301,9 @@ class MarkovEagle(EagleDrafter):
     """The eagle drafter's tree search over a MarkovHead (no model calls)."""
 
     def __init__(self, table, **kw):
-        self.backbone = type("BB", (), {"device": torch.device("cpu"), "vocab_size": table.shape[0]})()
+        rope = staticmethod(lambda x, position_ids: (position_ids[..., None].float(),) * 2)   # (unread: _run's)
+        self.backbone = type("BB", (), {"device": torch.device("cpu"), "vocab_size": table.shape[0],
+                                        "rotary_emb": rope})()
         self.head, self.vocab, self.lookup, self.threshold = MarkovHead(table), None, 0, kw.pop("threshold", 0.0)
         self.corpus = None
         self.log_threshold = torch.tensor(self.threshold).log().item() if self.threshold > 0 else -float("inf")

@@ -8,7 +8,7 @@ import torch
 from selfspec.core import cache as kv
 from selfspec.core.accept import greedy_accept, rejection_accept_chain
 from selfspec.core.sampling import SamplingParams, pick_candidates, probs_from_logits
-from selfspec.core.tree import build_tree, chain, chain_with_siblings, parse_tree, subtree
+from selfspec.core.tree import build_tree, chain, chain_with_siblings, parse_tree, subtree, tree_tensors
 
 
 def test_tree_builder_shapes_mask_positions():
@@ -28,6 +28,35 @@ def test_tree_builder_shapes_mask_positions():
     assert t.position_ids(3).tolist() == [[3, 4, 4, 5, 5]]
     assert t.width_at(1) == 2 and t.width_at(2) == 1
     assert build_tree(((0,), (1,), (0, 0), (1, 0))) is t          # cached on its shape
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 5, 8, 9])
+def test_tree_tensors_give_every_node_its_depth_and_ancestors(depth):
+    """Batches of random trees no deeper than ``depth`` (chains of exactly that depth among them): depths and
+    ancestor sets as a walk up the parents gives them."""
+    g = torch.Generator().manual_seed(depth)
+    for _ in range(20):
+        n = int(torch.randint(depth + 1, 3 * depth + 4, (1,), generator=g))
+        batch = []
+        for b in range(3):
+            parents, depths = [-1], [0]
+            for i in range(1, n):
+                p = i - 1 if b == 0 and i <= depth else int(torch.randint(0, i, (1,), generator=g))
+                while depths[p] >= depth:   # no deeper than ``depth``
+                    p = parents[p]
+                parents.append(p)
+                depths.append(depths[p] + 1)
+            batch.append(parents)
+        got_depths, got_anc = tree_tensors(torch.tensor(batch), max_depth=depth)
+        for b, parents in enumerate(batch):
+            for i in range(n):
+                walk, j = set(), i
+                while j >= 0:
+                    walk.add(j)
+                    j = parents[j]
+                assert got_anc[b, i].nonzero().flatten().tolist() == sorted(walk)
+                assert int(got_depths[b, i]) == len(walk) - 1
+        assert int(got_depths[0].max()) == depth   # the chain reaches the deepest level allowed
 
 
 def test_subtree_renumbers_kept_nodes_and_refuses_orphans():

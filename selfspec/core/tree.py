@@ -139,18 +139,18 @@ def tree_from_parents(parents: torch.Tensor, ranks: torch.Tensor, *, max_depth: 
 
 def tree_tensors(parents: torch.Tensor, *, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Depths (B, n) and ancestor sets (B, n, n) of a batch of trees given by parent arrays (B, n)
-    (parents[:, 0] = -1, parents[b, i] < i), in ``max_depth`` gathers on their device: no host read."""
+    (parents[:, 0] = -1, parents[b, i] < i, no node deeper than ``max_depth``), on their device with no
+    host read: node i reaches itself and its parent; squaring that relation (a boolean product) doubles
+    how many levels up it reaches, so ceil(log2(max_depth)) products reach every ancestor."""
     B, n = parents.shape
     idx = torch.arange(n, device=parents.device)
-    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
-    depths = torch.zeros(B, n, dtype=torch.long, device=parents.device)
-    up = parents.clone()                                        # each node's ancestor d + 1 levels up
-    for _ in range(max_depth):
-        has = up >= 0
-        ancestors |= (up.clamp(min=0)[..., None] == idx) & has[..., None]
-        depths += has.long()
-        up = torch.where(has, parents.gather(1, up.clamp(min=0)), up)
-    return depths, ancestors
+    reach = (parents[..., None] == idx) | (idx[:, None] == idx)                    # (B, n, n) self and parent
+    span = 1
+    while span < max_depth:
+        r = reach.to(torch.float32)   # 0/1 entries, sums of at most n: exact
+        reach = torch.bmm(r, r) > 0
+        span *= 2
+    return reach.sum(-1) - 1, reach
 
 
 def subtree(parents: torch.Tensor, ranks: torch.Tensor, keep: torch.Tensor, *, max_depth: int) -> Tree:

@@ -148,10 +148,12 @@ class EagleDrafter(Drafter):
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None = None, rows: list[int] | None = None) -> torch.Tensor:
         """Slots for ``tokens`` (R, n) at ``positions`` (R, n) reading ``feature`` (R, n, H), appended to
-        rows ``rows`` of the head cache (default: this drafter's) -> (R, n, H) output states."""
+        rows ``rows`` of the head cache (default: this drafter's) -> (R, n, H) output states. positions may
+        be the rotary (cos, sin) of those positions instead, (R, n, head_dim) each."""
         bb = self.backbone
         emb = bb.embed(tokens.reshape(-1)).view(*tokens.shape, -1)
-        return self.head(feature, emb.to(self.dtype), position_embeddings=bb.rotary_emb(feature, position_ids=positions),
+        rope = positions if isinstance(positions, tuple) else bb.rotary_emb(feature, position_ids=positions)
+        return self.head(feature, emb.to(self.dtype), position_embeddings=rope,
                          cache=self.cache.rows([self.row] if rows is None else rows), attention_mask=mask)
 
     def _fill(self, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
@@ -278,6 +280,8 @@ class EagleDrafter(Drafter):
         qs = [q[:, None]] if sampling else []     # per level (R, rows, V_draft); level 1 has one row (the root's)
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
         anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
+        # Level d's nodes all sit at position past + d - 1: the rotary of every level at once.
+        cos, sin = self.backbone.rotary_emb(prev, position_ids=past[:, None] + torch.arange(self.depth - 1, device=dev))
         start, levels, frontiers = 1, [1] * R, []
         t_level, ran = t_step, R            # the level being drafted: since when, at how many rows (level_stop)
         active, a = list(range(R)), torch.arange(R, device=dev)
@@ -309,10 +313,12 @@ class EagleDrafter(Drafter):
                 run = self._static_level(drafters, feature, tokens[-1].gather(1, best),
                                          (past + d - 1)[:, None].expand(-1, k), committed, top_anc, d)[a]
             elif len(active) == R:
-                run = self._run(feature, tokens[-1].gather(1, best), (past + d - 1)[:, None].expand(-1, k),
+                rope = (cos[:, d - 1: d].expand(-1, k, -1), sin[:, d - 1: d].expand(-1, k, -1))
+                run = self._run(feature, tokens[-1].gather(1, best), rope,
                                 self._level_mask(committed, top_anc, d, newest), rows=[x.row for x in drafters])
             else:
-                run = self._run(feature[a], tokens[-1].gather(1, best)[a], (past[a] + d - 1)[:, None].expand(-1, k),
+                rope = (cos[a, d - 1: d].expand(-1, k, -1), sin[a, d - 1: d].expand(-1, k, -1))
+                run = self._run(feature[a], tokens[-1].gather(1, best)[a], rope,
                                 self._level_mask(committed[a], top_anc[a], d, max(drafters[b].committed for b in active)),
                                 rows=[drafters[b].row for b in active])
             prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)

@@ -185,8 +185,8 @@ class EagleHead(nn.Module):
             # Causal among the new slots, all of the cache visible.
             visible = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
             attention_mask = additive_mask(visible, q.dtype)
-        o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attention_mask,
-                                           is_causal=attention_mask is None and n > 1, scale=self.scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and n > 1,
+                                           scale=self.scale, enable_gqa=attn.num_heads != attn.num_kv_heads)
         return self.output(layer.finish(feature, attn.out(o)))
 
     def ttt_step(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings,
