@@ -124,6 +124,7 @@ class CheckedEagle(GraftingEagle):
     @classmethod
     def commit_rows(cls, drafters, states, accepted, outs):
         super().commit_rows(drafters, states, accepted, outs)
+        drafters[0]._flush()   # static and greedy, the commit runs with the next draft: run it now, to look
         for d, s, a in zip(drafters, states, accepted):
             cls.accepted.add(a.num_accepted)
             assert d.committed == s.past_len
@@ -255,6 +256,46 @@ def test_eagle_static_head_drafts_what_the_eager_head_drafts(compile, threshold,
             torch.testing.assert_close(s_p, e_p, atol=1e-5, rtol=1e-4)
             sizes.add(len(e_paths))
     assert len(sizes) > 1 or threshold == 0   # not vacuous: the threshold cut trees to different sizes
+
+
+class EveryThirdPlain:
+    """A pace that makes every third step a plain one (as back-off does where drafting does not pay)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def start(self):
+        self.n = 0
+
+    def draft_now(self):
+        self.n += 1
+        return self.n % 3 != 0
+
+    def observe(self, rows, tokens, seconds, drafted):
+        pass
+
+
+def test_static_greedy_steps_commit_with_the_next_draft_and_plain_steps_between(one_thread):
+    """Static and greedy, a step's head commit runs in the next step's one draft call; a plain step (no draft)
+    between them leaves that commit to run on its own before the next. Every row stays the reference, the
+    head drafts as it does eagerly (the same tokens accepted), and plain steps really happened."""
+    from selfspec.core.decode import decode_rows
+    from selfspec.runtime.step import StaticStep
+
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    heads = untrained_heads("eagle", model, "t")
+    jitter(heads.module, 0.3, seed=5)
+    prompts = [_prompt(model.config.vocab_size, seed, n)[0] for seed, n in ((3, 7), (4, 3))]
+    expected = [hf_greedy(model, p[None], 30)[0, p.shape[0]:].tolist() for p in prompts]
+    runs = []
+    for step in (None, StaticStep(bb, compile=False)):
+        drafter = EagleDrafter(bb, heads, depth=3, expand=2, nodes=4, dtype=torch.float32)
+        new, stats = decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=30, eos_token_ids=set(),
+                                 generator=None, step=step, pace=EveryThirdPlain())
+        assert new == expected and stats.plain_steps > 4 and stats.drafted > 0
+        runs.append((stats.accepted_hist, stats.drafted, stats.steps))
+    assert runs[0] == runs[1]
 
 
 def test_training_time_test_equals_what_the_drafter_computes(one_thread):
@@ -663,11 +704,15 @@ def test_the_device_side_cut_gives_every_row_the_tree_the_row_by_row_cut_gives(d
                 assert torch.equal(got.q_index, want.q_index) and torch.equal(got.q, want.q)
 
 
-@pytest.mark.parametrize("kind", ["none", "medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["none", "medusa", "eagle", "eagle-static"])
 def test_a_greedy_step_reads_the_host_once(kind, one_thread, monkeypatch):
     """Counted with every tensor -> host conversion patched (``item``, ``tolist``, ``bool``, ``int``,
     ``float``, ``index``, ``cpu``, ``numpy``): with width fitting off, a greedy step of plain decoding,
-    Medusa or EAGLE reads the host once (the accepted paths); the prefill reads a few times."""
+    Medusa or EAGLE, eager or at static shapes (``compile=True``'s passes, here uncompiled: the verify
+    pass, the head's whole draft and its commit), reads the host once (the accepted paths); the prefill
+    reads a few times."""
+    from selfspec.runtime.step import StaticStep
+
     from selfspec.core.decode import decode_rows
     from selfspec.drafters import MedusaDrafter, NoDrafter
     from selfspec.settings import MEDUSA_DEFAULT
@@ -676,10 +721,12 @@ def test_a_greedy_step_reads_the_host_once(kind, one_thread, monkeypatch):
     bb = Backbone(model)
     drafter = {"none": lambda: NoDrafter(bb.device),
                "medusa": lambda: MedusaDrafter(bb, untrained_heads("medusa", model, "t"), build_tree(MEDUSA_DEFAULT)),
-               "eagle": lambda: EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=4, expand=3, nodes=8)}[kind]()
+               "eagle": lambda: EagleDrafter(bb, untrained_heads("eagle", model, "t"), depth=4, expand=3, nodes=8)}[
+        kind.split("-")[0]]()
+    step = StaticStep(bb, compile=False) if kind.endswith("static") else None
     prompts = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9)]
     run = lambda: decode_rows(bb, drafter, prompts, params=SamplingParams(), max_new_tokens=24,  # noqa: E731
-                              eos_token_ids=set(), generator=None)
+                              eos_token_ids=set(), generator=None, step=step)
     run()   # warm-up: lazily built trees and caches
     reads = []
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
@@ -690,4 +737,5 @@ def test_a_greedy_step_reads_the_host_once(kind, one_thread, monkeypatch):
     monkeypatch.undo()
     steps = stats.target_forwards - 1          # one pass serves every row: one read a pass
     assert steps > 5 and (kind == "none" or stats.drafted > 0), "not vacuous"
+    assert step is None or drafter._tree is not None
     assert len(reads) <= steps + 4, f"{len(reads)} host reads over {steps} steps: {sorted(set(reads))}"

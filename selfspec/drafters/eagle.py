@@ -120,6 +120,9 @@ class EagleDrafter(Drafter):
         self.row = 0                                   # this drafter's row of ``cache``
         self.committed = 0                             # head cache slots that hold committed tokens
         self.root_state: torch.Tensor | None = None    # (1, 1, H) output of the last committed slot
+        # Static: the last step's commit, left to the next draft's one call (``_commit_static``); the rows' own
+        self._pending: list = []
+        self._rows: list["EagleDrafter"] = [self]      # every row's drafter of this decode (``begin_rows``)
 
     @property
     def max_nodes(self) -> int:
@@ -185,8 +188,9 @@ class EagleDrafter(Drafter):
             d.cache = None
         shared = kv.new_cache(len(drafters)) if first.static_step is None else \
             first._head_storage.cache(len(drafters), first._head_capacity())
+        pending = []
         for b, (d, s, out) in enumerate(zip(drafters, states, prefills)):
-            d.cache, d.row = shared, b
+            d.cache, d.row, d._pending, d._rows = shared, b, pending, drafters
             d._start(s, out)
 
     @torch.no_grad()
@@ -460,10 +464,14 @@ class EagleDrafter(Drafter):
         if sampled or self.threshold > 0:
             self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
                          idx(k), idx(k)[..., None].repeat(1, 1, self.depth), False)
-        else:
+            buckets = {self.static_step.bucket(m) for m in range(1, self._longest_path() + 1)}
+        else:   # a whole-tree pass with a commit padded to the longest path; that commit alone (a plain step's)
+            n = self.static_step.bucket(self._longest_path())
             longs = lambda: torch.zeros(batch, dtype=torch.long, device=dev)   # noqa: E731  (no two inputs alias)
-            self._tree(keys, values, torch.zeros(batch, H, dtype=self.dtype, device=dev), longs(), longs(), longs() + 1)
-        for n in sorted({self.static_step.bucket(m) for m in range(1, self._longest_path() + 1)}):   # (no two inputs alias, as in decoding)
+            self._tree(keys, values, torch.zeros(batch, n, A, dtype=self.dtype, device=dev), idx(n), idx(n), idx(n), idx(n),
+                       longs(), torch.zeros(batch, H, dtype=self.dtype, device=dev), longs(), longs(), longs() + 1)
+            buckets = {n}
+        for n in sorted(buckets):   # (no two inputs alias, as in decoding)
             self._static(keys, values, torch.zeros(batch, n, A, dtype=self.dtype, device=dev), idx(n), idx(n), idx(n),
                          idx(n), idx(n)[..., None], True)
         self._head_storage.release(cache)
@@ -485,16 +493,22 @@ class EagleDrafter(Drafter):
         return self.head(feature, emb, position_embeddings=bb.rotary_emb(feature, position_ids=positions),
                          cache=kv.SlotWriter(keys, values, rows, slots), attention_mask=additive_mask(visible, self.dtype))
 
-    def _tree_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], root: torch.Tensor, pending: torch.Tensor,
-                   committed: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A greedy step's whole draft for every row of the static head cache in one pass: ``depth`` levels,
-        grown, scored and cut as ``_grow`` and ``_cut`` do (the same trees, in the same node order), with
-        nothing read back. root: (B, H) each row's last committed output state; pending: (B,) its pending
-        token; committed: (B,) its committed head slots (level d's node j writes slot committed + (d - 1) k + j);
-        past: (B,) the target's past length. Returns the trees' tokens, parents, depths, ranks (B, n),
-        ancestors (B, n, n) and path probabilities (B, n)."""
+    def _tree_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], aux: torch.Tensor, ctokens: torch.Tensor,
+                   cpositions: torch.Tensor, cslots: torch.Tensor, climit: torch.Tensor, sizes: torch.Tensor,
+                   root: torch.Tensor, pending: torch.Tensor, committed: torch.Tensor,
+                   past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A greedy step's head work for every row of the static head cache in one pass: the last step's
+        accepted slots (``_commit_static``'s inputs aux .. climit, sizes (B,) how many are real per row, 0:
+        none, the root state is ``root`` (B, H)), then ``depth`` levels grown, scored and cut as ``_grow`` and
+        ``_cut`` do (the same trees, in the same node order), with nothing read back. pending: (B,) each
+        row's pending token; committed: (B,) its committed head slots, that commit's included (level d's
+        node j writes slot committed + (d - 1) k + j); past: (B,) the target's past length. Returns the
+        trees' tokens, parents, depths, ranks (B, n), ancestors (B, n, n) and path probabilities (B, n)."""
         bb, k, dev = self.backbone, self.expand, root.device
         B, H = root.shape
+        run = self._static_pass(keys, values, aux, ctokens, cpositions, cslots, climit, cslots[..., None], True)
+        last = run.gather(1, (sizes - 1).clamp(min=0)[:, None, None].expand(-1, 1, H))[:, 0]
+        root = torch.where((sizes > 0)[:, None], last, root)
         t = torch.arange(keys[0].shape[2], device=dev)
         rows = torch.arange(B, device=dev)[:, None].expand(B, k)
         score, cand = self._logits(root).float().log_softmax(-1).topk(k, dim=-1)
@@ -542,8 +556,18 @@ class EagleDrafter(Drafter):
         dev, k, B = self.backbone.device, self.expand, self.cache.batch
         rows = torch.tensor([x.row for x in drafters], device=dev)
         C = self.cache.keys[0].shape[2]
-        roots = torch.cat([x.root_state[:, 0] for x in drafters])
-        root = roots.new_zeros(B, roots.shape[-1]).index_copy_(0, rows, roots)
+        H, A = self.head.fc.weight.shape
+        root = torch.zeros(B, H, dtype=self.dtype, device=dev)
+        if self._pending:   # the last step's commit, run first in the same call
+            commit, sizes = self._pending
+            self._pending.clear()
+        else:               # none (the first step): no real slot; what it writes lies where the drafts write
+            N = self.static_step.bucket(self._longest_path())
+            slots = torch.arange(C - N, C, device=dev).repeat(B, 1)
+            commit = (torch.zeros(B, N, A, dtype=self.dtype, device=dev), torch.zeros(B, N, dtype=torch.long, device=dev),
+                      slots.clone(), slots, slots + 1)
+            sizes = torch.zeros(B, dtype=torch.long, device=dev)
+            root.index_copy_(0, rows, torch.cat([x.root_state[:, 0] for x in drafters]))
         pending = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
             0, rows, torch.tensor([s.ids[-1] for s in states], device=dev))
         committed = torch.full((B,), C - self.depth * k, device=dev).index_copy_(
@@ -551,7 +575,7 @@ class EagleDrafter(Drafter):
         past = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
             0, rows, torch.tensor([s.past_len for s in states], device=dev))
         tokens, parents, depths, ranks, ancestors, path_p = self._tree(
-            self.cache.keys, self.cache.values, root, pending, committed, past)
+            self.cache.keys, self.cache.values, *commit, sizes, root, pending, committed, past)
         drafts = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
                         tokens=tokens[b], path_p=path_p[b]) for b in (x.row for x in drafters)]
         return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
@@ -593,7 +617,10 @@ class EagleDrafter(Drafter):
         (the padding's slots lie where the next step's drafts write before anything reads them)."""
         dev = self.backbone.device
         sizes = [len(a.path) for a in accepted]
-        N = self.static_step.bucket(max(sizes))
+        fused = self._tree is not None and not states[0].params.do_sample and self.threshold <= 0
+        self._flush()   # a commit the last step left to a draft that never ran (a plain step)
+        # Fused (the next draft is a whole-tree pass): padded to the longest path, so the pass has one shape.
+        N = self.static_step.bucket(max(sizes) if not fused else max(self._longest_path(), *sizes))
         starts = torch.tensor([d.committed for d in drafters], device=dev)
         aux = torch.zeros(len(drafters), N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
         tokens = torch.zeros(len(drafters), N, dtype=torch.long, device=dev)
@@ -602,15 +629,31 @@ class EagleDrafter(Drafter):
             tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
         positions = starts[:, None] + torch.arange(N, device=dev)
         C = self.cache.keys[0].shape[2]
+        rows = torch.tensor([d.row for d in drafters], device=dev)
         slots, positions, aux, tokens, limit = self._padded(
-            torch.tensor([d.row for d in drafters], device=dev), positions, positions, aux, tokens, positions + 1,
-            idle_slots=torch.arange(C - N, C, device=dev))
-        run = self._static(self.cache.keys, self.cache.values, aux, tokens, positions, slots, limit,
-                           slots[..., None].clone(), True)
+            rows, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
+        commit = (aux, tokens, positions, slots, limit)
+        if fused:   # run by the next step's draft, in its one call (``_tree_pass``)
+            self._pending[:] = [commit, torch.zeros(self.cache.batch, dtype=torch.long, device=dev).index_copy_(
+                0, rows, torch.tensor(sizes, device=dev))]
+        else:
+            run = self._static(self.cache.keys, self.cache.values, *commit, slots[..., None].clone(), True)
         for b, d in enumerate(drafters):
             d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
-            d.root_state = run[d.row: d.row + 1, sizes[b] - 1: sizes[b]]
+            d.root_state = None if fused else run[d.row: d.row + 1, sizes[b] - 1: sizes[b]]
             self.cache.lengths[0][d.row] = d.committed   # the host's view (``KVCache.layer``) follows
+
+    def _flush(self) -> None:
+        """Run the commit a fused step left pending (``_commit_static``) on its own: every row's root state."""
+        if not self._pending:
+            return
+        (aux, tokens, positions, slots, limit), sizes = self._pending
+        self._pending.clear()
+        run = self._static(self.cache.keys, self.cache.values, aux, tokens, positions, slots, limit,
+                           slots[..., None].clone(), True)
+        root = run.gather(1, (sizes - 1).clamp(min=0)[:, None, None].expand(-1, 1, run.shape[-1]))   # (B, 1, H)
+        for d in self._rows:
+            d.root_state = root[d.row: d.row + 1]
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
