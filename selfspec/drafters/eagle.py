@@ -81,6 +81,18 @@ class _Pool:
     levels: list[int]               # per row: levels drafted
 
 
+def _level_layout(R: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every level after the first shares: each of its k * k nodes' parent's place among the k nodes run
+    (R, k * k), and those k nodes' own places (R, k, 1)."""
+    places = torch.arange(k, device=dev)
+    return _each_k_times(places[None], k).expand(R, -1), places[None, :, None].expand(R, k, 1)
+
+
+def _each_k_times(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, m, ...) -> (R, m * k, ...), each of the m entries k times in a row (``repeat_interleave`` on dim 1)."""
+    return x[:, :, None].expand(x.shape[0], x.shape[1], k, *x.shape[2:]).reshape(x.shape[0], x.shape[1] * k, *x.shape[2:])
+
+
 class EagleDrafter(Drafter):
     name = "eagle"
     static_step: "VerifyStep | None" = None   # the verify step the head's static passes match (use_step)
@@ -277,12 +289,13 @@ class EagleDrafter(Drafter):
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
         t_step = time.perf_counter() if reads else 0.0
         cand, score, q = self._candidates(self._logits(prev[:, 0]), states[0])               # (R, k)
-        rho = score[:, 0].float().exp()                 # (R,) the last level's mean top probability (width fitting)
+        rho = score[:, 0].float().exp() if reads else None   # (R,) the last level's mean top probability (width fitting)
         tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
         parents = [torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.long, device=dev)]
         scores = [torch.zeros(R, 1, device=dev), score.float()]
         qs = [q[:, None]] if sampling else []     # per level (R, rows, V_draft); level 1 has one row (the root's)
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
+        parent_place, own = _level_layout(R, k, dev)              # fidx of every level after the first; own places
         anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
         # Level d's nodes all sit at position past + d - 1: the rotary of every level at once.
         cos, sin = self.backbone.rotary_emb(prev, position_ids=past[:, None] + torch.arange(self.depth - 1, device=dev))
@@ -335,15 +348,14 @@ class EagleDrafter(Drafter):
                     0, a, self._to_ids(cand).reshape(A, k * k))
             else:
                 ids = self._to_ids(cand).reshape(R, k * k)
-            rho = level[:, :, 0].exp().mean(1)
+            rho = level[:, :, 0].exp().mean(1) if reads else None
             tokens.append(ids)
-            parents.append(top.repeat_interleave(k, dim=1))
+            parents.append(_each_k_times(top, k))
             scores.append((top_scores[:, :, None] + level).reshape(R, k * k))
             if sampling:
                 qs.append(q.view(A, k, -1) if A == R else q.new_zeros(R, k, q.shape[-1]).index_copy_(0, a, q.view(A, k, -1)))
-            fidx = torch.arange(k, device=dev).repeat_interleave(k)[None].expand(R, -1)
-            own = torch.arange(k, device=dev)[None, :, None].expand(R, k, 1)
-            anc = torch.cat([top_anc, own], dim=2).repeat_interleave(k, dim=1)
+            fidx = parent_place
+            anc = _each_k_times(torch.cat([top_anc, own], dim=2), k)
             start += tokens[-2].shape[1]
             for b in active:
                 levels[b] += 1
@@ -516,6 +528,7 @@ class EagleDrafter(Drafter):
         parents = [torch.full((B, 1), -1, device=dev), torch.zeros(B, k, dtype=torch.long, device=dev)]
         scores = [torch.zeros(B, 1, device=dev), score]
         prev, fidx = root[:, None], torch.zeros(B, k, dtype=torch.long, device=dev)
+        parent_place, own_place = _level_layout(B, k, dev)
         anc = torch.zeros(B, k, 0, dtype=torch.long, device=dev)     # as in ``_grow``
         start = 1
         for d in range(1, self.depth):
@@ -533,10 +546,10 @@ class EagleDrafter(Drafter):
                              attention_mask=additive_mask(visible, self.dtype))
             score, cand = self._logits(prev.reshape(-1, H)).float().log_softmax(-1).topk(k, dim=-1)
             tokens.append(self._to_ids(cand).reshape(B, k * k))
-            parents.append(top.repeat_interleave(k, dim=1))
+            parents.append(_each_k_times(top, k))
             scores.append((top_scores[:, :, None] + score.view(B, k, k)).reshape(B, k * k))
-            fidx = torch.arange(k, device=dev).repeat_interleave(k)[None].expand(B, -1)
-            anc = torch.cat([top_anc, torch.arange(k, device=dev)[None, :, None].expand(B, k, 1)], 2).repeat_interleave(k, 1)
+            fidx = parent_place
+            anc = _each_k_times(torch.cat([top_anc, own_place], dim=2), k)
             start += tokens[-2].shape[1]
         pool, pool_parents, pool_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
         keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1
