@@ -297,8 +297,8 @@ class EagleDrafter(Drafter):
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
         parent_place, own = _level_layout(R, k, dev)              # fidx of every level after the first; own places
         anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
-        # Level d's nodes all sit at position past + d - 1: the rotary of every level at once.
-        cos, sin = self.backbone.rotary_emb(prev, position_ids=past[:, None] + torch.arange(self.depth - 1, device=dev))
+        if self.static_step is None:   # level d's nodes all sit at position past + d - 1: every level's rotary at once
+            cos, sin = self.backbone.rotary_emb(prev, position_ids=past[:, None] + torch.arange(self.depth - 1, device=dev))
         start, levels, frontiers = 1, [1] * R, []
         t_level, ran = t_step, R            # the level being drafted: since when, at how many rows (level_stop)
         active, a = list(range(R)), torch.arange(R, device=dev)
@@ -386,31 +386,39 @@ class EagleDrafter(Drafter):
         ``expand`` of every level, decided by the parents' distributions alone."""
         k, L, R = self.expand, pool.levels[0], pool.tokens.shape[0]
         P = 1 + k + (L - 1) * k * k
-        dev = pool.tokens.device
         if sampling:
             last = P - (k if L == 1 else k * k) + torch.sort(-pool.scores[:, P - (k if L == 1 else k * k): P], dim=1,
                                                              stable=True).indices[:, :k]
             keep = torch.cat(pool.frontiers[: L - 1] + [last], dim=1)
         else:
             keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
-        nodes = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)   # (R, n)
-        n = nodes.shape[1]
-        # Renumber: pool id -> place in the row's tree; a kept node's parent is kept, so every lookup hits.
-        place = torch.full((R, P), -1, dtype=torch.long, device=dev).scatter_(
-            1, nodes, torch.arange(n, device=dev).expand(R, n))
-        parents = place.gather(1, pool.parents[:, :P].gather(1, nodes).clamp(min=0))
-        parents[:, 0] = -1
-        ranks, depths, qrows = self._pool_layout(L)
-        _, ancestors = tree_tensors(parents, max_depth=L)
-        tokens = pool.tokens.gather(1, nodes)
-        path_p = pool.scores.gather(1, nodes).exp()
+        nodes, tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
+            pool.tokens, pool.parents, pool.scores, keep, L)
+        qrows = self._pool_layout(L)[2]
         drafts = []
         for b in range(R):
-            tree = Tree(parents=parents[b], depths=depths[nodes[b]], ranks=ranks[nodes[b]], ancestors=ancestors[b])
+            tree = Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b])
             q_full = None if not sampling else full_vocab(pool.q[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
             drafts.append(Draft(tree=tree, tokens=tokens[b], q=q_full, q_index=qrows[nodes[b]] if sampling else None,
                                 path_p=path_p[b]))
         return drafts
+
+    def _kept_tree(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor,
+                   L: int) -> tuple[torch.Tensor, ...]:
+        """Every row's tree of the pool nodes ``keep`` (R, m) (a pool of L levels: tokens, parents, scores
+        (R, P)): its nodes (the root, then ``keep`` in pool order), their tokens, parents renumbered to tree
+        places, depths, ranks (R, n), ancestors (R, n, n) and path probabilities (R, n)."""
+        R, dev = tokens.shape[0], tokens.device
+        nodes = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)   # (R, n)
+        n = nodes.shape[1]
+        # Renumber: pool id -> place in the row's tree; a kept node's parent is kept, so every lookup hits.
+        place = torch.full_like(tokens, -1).scatter(1, nodes, torch.arange(n, device=dev).expand(R, n))
+        tree_parents = place.gather(1, parents.gather(1, nodes).clamp(min=0))
+        tree_parents = torch.where(torch.arange(n, device=dev) == 0, -1, tree_parents)
+        ranks, depths, _ = self._pool_layout(L)
+        _, ancestors = tree_tensors(tree_parents, max_depth=L)
+        return (nodes, tokens.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
+                scores.gather(1, nodes).exp())
 
     def _cut_row(self, pool: "_Pool", b: int, sampling: bool) -> Draft:
         """``_cut`` for one row whose pool differs from the others' (a threshold: on the host, row by row)."""
@@ -552,16 +560,8 @@ class EagleDrafter(Drafter):
             anc = _each_k_times(torch.cat([top_anc, own_place], dim=2), k)
             start += tokens[-2].shape[1]
         pool, pool_parents, pool_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
-        keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1
-        nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)
-        n = nodes.shape[1]
-        place = torch.full_like(pool, -1).scatter(1, nodes, torch.arange(n, device=dev).expand(B, n))
-        tree_parents = place.gather(1, pool_parents.gather(1, nodes).clamp(min=0))
-        tree_parents = torch.where(torch.arange(n, device=dev) == 0, -1, tree_parents)
-        ranks, depths, _ = self._pool_layout(self.depth)
-        _, ancestors = tree_tensors(tree_parents, max_depth=self.depth)
-        return (pool.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
-                pool_scores.gather(1, nodes).exp())
+        keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1   # as ``_cut``
+        return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)[1:]
 
     def _static_grow(self, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
         """``_grow`` for a greedy step at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
@@ -646,15 +646,15 @@ class EagleDrafter(Drafter):
         slots, positions, aux, tokens, limit = self._padded(
             rows, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
         commit = (aux, tokens, positions, slots, limit)
-        if fused:   # run by the next step's draft, in its one call (``_tree_pass``)
-            self._pending[:] = [commit, torch.zeros(self.cache.batch, dtype=torch.long, device=dev).index_copy_(
-                0, rows, torch.tensor(sizes, device=dev))]
-        else:
-            run = self._static(self.cache.keys, self.cache.values, *commit, slots[..., None].clone(), True)
+        # Fused: run by the next step's draft, in its one call (``_tree_pass``); else now (``_flush``).
+        self._pending[:] = [commit, torch.zeros(self.cache.batch, dtype=torch.long, device=dev).index_copy_(
+            0, rows, torch.tensor(sizes, device=dev))]
         for b, d in enumerate(drafters):
             d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
-            d.root_state = None if fused else run[d.row: d.row + 1, sizes[b] - 1: sizes[b]]
+            d.root_state = None
             self.cache.lengths[0][d.row] = d.committed   # the host's view (``KVCache.layer``) follows
+        if not fused:
+            self._flush()
 
     def _flush(self) -> None:
         """Run the commit a fused step left pending (``_commit_static``) on its own: every row's root state."""
