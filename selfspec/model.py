@@ -505,7 +505,7 @@ class SelfSpeculativeModel:
         (kept across calls: the machine is the same); None with ``fit_width=False`` or nothing to draft."""
         if not self.fit_width or drafter.max_nodes < 2:
             return None
-        return self._backoffs.setdefault((id(drafter), rows), Backoff())
+        return self._backoffs.setdefault((id(drafter), rows), Backoff(self.backbone.device))
 
     def _cost(self, rows: int, drafter) -> VerifyCost | None:
         """What prices ``drafter``'s verification passes of a batch for width fitting; None where it does not apply."""

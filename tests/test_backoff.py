@@ -28,7 +28,7 @@ class _Scripted:
     def draft_now(self):
         return self.PATTERN[self.step % len(self.PATTERN)]
 
-    def observe(self, rows, tokens, seconds, drafted):
+    def observe(self, rows, tokens, drafted):
         self.step += 1
         self.plain += not drafted
 
@@ -91,7 +91,7 @@ def _feed(backoff: Backoff, steps: int, *, spec_rate: float, plain_rate: float) 
     done = []
     for _ in range(steps):
         drafted = backoff.draft_now()
-        backoff.observe(1, 1, 1.0 / (spec_rate if drafted else plain_rate), drafted)
+        backoff.record(1, 1, 1.0 / (spec_rate if drafted else plain_rate), drafted)
         done.append(drafted)
     return done
 

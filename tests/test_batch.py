@@ -617,7 +617,7 @@ class _CyclingWidths:
 
         return fit_width(drafts, self, widest, rows)
 
-    def observe(self, rows, width, seconds):
+    def observe(self, rows, width):
         pass
 
     def table(self, rows, width):

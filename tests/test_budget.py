@@ -116,18 +116,18 @@ def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
     assert sorted(cost.timings) == [(2, 5), (4, 5)]                     # each row count timed once
     cost._timed[4][4] = 5.5                                            # a dip (width 4 cheaper than 2) is flattened
     assert cost.table(4, 5) == pytest.approx([5, 6, 6, 6, 9])
-    cost.observe(4, 1, 99.0)                                           # a shape's first step (one-off costs): ignored
+    cost.record(4, 1, 99.0)                                           # a shape's first step (one-off costs): ignored
     assert cost.table(4, 5) == pytest.approx([5, 6, 6, 6, 9])
-    cost.observe(4, 1, 10.0)                                           # real steps: twice the prior at width 1
+    cost.record(4, 1, 10.0)                                           # real steps: twice the prior at width 1
     assert cost.table(4, 5) == pytest.approx([10, 12, 12, 12, 18])
-    cost.observe(4, 5, 50.0)
-    cost.observe(4, 5, 12.0)                                           # a seen width replaces the prior, and the
+    cost.record(4, 5, 50.0)
+    cost.record(4, 5, 12.0)                                           # a seen width replaces the prior, and the
     scale = (2.0 + 12.0 / 9.0) / 2                                     # median ratio seen/prior rescales the rest
     assert cost.table(4, 5) == pytest.approx([10, 6 * scale, 6 * scale, 6 * scale, 12])
-    cost.observe(4, 5, 90.0)                                           # a load spike: load only adds time, so
+    cost.record(4, 5, 90.0)                                           # a load spike: load only adds time, so
     assert cost.table(4, 5)[4] == pytest.approx(12.0)                  # the fastest of the last steps counts
     for s in (20.0, 21.0, 22.0):                                       # only the last RECENT steps count
-        cost.observe(4, 5, s)
+        cost.record(4, 5, s)
     assert cost.table(4, 5)[4] == pytest.approx(20.0) and VerifyCost.RECENT == 3
     assert cost.table(2, 5)[0] == pytest.approx(3.0)                   # other row counts keep their own prior
 
@@ -137,10 +137,10 @@ def test_a_slow_step_at_a_narrow_width_does_not_price_the_wider_ones_out():
     width 2 must not lift widths 3-4 (whose own steps were faster) through the running maximum."""
     cost = _Timed()                                        # prior at 1 row: width w costs 1 + w
     for w in (1, 2, 4):
-        cost.observe(1, w, 0.0)                            # (each shape's first step is ignored)
-    cost.observe(1, 1, 2.0)
-    cost.observe(1, 2, 9.0)                                # a load spike: width 2's only step
-    cost.observe(1, 4, 3.0)                                # width 4 measured cheaper than that
+        cost.record(1, w, 0.0)                            # (each shape's first step is ignored)
+    cost.record(1, 1, 2.0)
+    cost.record(1, 2, 9.0)                                # a load spike: width 2's only step
+    cost.record(1, 4, 3.0)                                # width 4 measured cheaper than that
     # seen {1: 2, 2: 9, 4: 3} (median ratio to the prior 1): width 2 capped by width 4's 3, and width 3
     # (unseen, its prior 4) too; width 5 keeps its prior. Without the cap: [2, 9, 9, 9, 9].
     assert cost.table(1, 5) == pytest.approx([2.0, 3.0, 3.0, 3.0, 6.0])
@@ -154,15 +154,15 @@ def test_a_width_spoiled_by_a_spike_is_measured_again():
     chances = [torch.tensor([0.9, 0.8, 0.7])]        # worth width 4 at that prior (3.4 tokens / 5 s)
     true = {1: 2.0, 2: 2.2, 3: 2.4, 4: 2.6}          # what steps really cost here
     for w in true:
-        cost.observe(1, w, 0.0)                      # (each shape's first step is ignored)
+        cost.record(1, w, 0.0)                      # (each shape's first step is ignored)
     for w in (2, 3, 4):
-        cost.observe(1, w, 50.0)                     # a load spike at every wider width (their only step)
-    cost.observe(1, 1, true[1])
+        cost.record(1, w, 50.0)                     # a load spike at every wider width (their only step)
+    cost.record(1, 1, true[1])
     chosen = []
     for _ in range(6 * VerifyCost.EXPLORE_EVERY):
         w = cost.width(chances, 4)
         chosen.append(w)
-        cost.observe(1, w, true[w])
+        cost.record(1, w, true[w])
     assert set(chosen[: VerifyCost.EXPLORE_EVERY - 1]) == {1}, "the spike makes drafting look dear at first"
     last = chosen[-VerifyCost.EXPLORE_EVERY:]
     assert last.count(4) >= len(last) - 1, f"exploration should climb back to the best width (chose {last})"
@@ -185,8 +185,8 @@ def test_a_static_step_is_priced_by_bucket_and_explored_bucket_by_bucket():
     assert cost.table(3, 13) == [1.0] + [4.0] * 3 + [16.0] * 9        # a width costs its bucket (1, 4, 16)
     assert cost.timings == [(3, 13)]                                   # at exactly the step's rows
     for w, seconds in ((3, 1.5), (1, 1.0)):
-        cost.observe(3, w, 0.0)                                        # (a shape's first step is ignored)
-        cost.observe(3, w, seconds)                                    # widths 2-4 run as bucket 4: one estimate
+        cost.record(3, w, 0.0)                                        # (a shape's first step is ignored)
+        cost.record(3, w, seconds)                                    # widths 2-4 run as bucket 4: one estimate
     assert cost.table(3, 13) == [1.0, 1.5, 1.5, 1.5] + [6.0] * 9       # bucket 16 rescaled (median seen/prior)
     # Worth bucket 4: 3 + 2.4 tokens in 1.5 s beats 3 tokens in 1 s and 3 + 6.9 in 6 s.
     chances = [torch.tensor([0.9, 0.8, 0.7] + [0.5] * 9)] + [torch.tensor([])] * 2
@@ -239,7 +239,7 @@ class _Cycling:
 
         return fit_width(drafts, self, widest, rows)
 
-    def observe(self, rows, width, seconds):
+    def observe(self, rows, width):
         self.seen.append(width)
 
 

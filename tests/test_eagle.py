@@ -271,7 +271,7 @@ class EveryThirdPlain:
         self.n += 1
         return self.n % 3 != 0
 
-    def observe(self, rows, tokens, seconds, drafted):
+    def observe(self, rows, tokens, drafted):
         pass
 
 

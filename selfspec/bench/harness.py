@@ -287,11 +287,6 @@ def _agg(runs: list[Run]) -> dict:
         drafted = [sum(s.drafted_by_depth[d] for s in stats if d < len(s.drafted_by_depth)) for d in range(depth)]
         accepted = [sum(s.accepted_by_depth[d] for s in stats if d < len(s.accepted_by_depth)) for d in range(depth)]
         out["acceptance_by_depth"] = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
-        busy = sum(s.draft_s + s.verify_s + s.prefill_s for s in stats)
-        if busy:   # an engine's counters hold no clocks
-            out["draft_share"] = sum(s.draft_s for s in stats) / busy
-            out["verify_share"] = sum(s.verify_s for s in stats) / busy
-            out["prefill_share"] = sum(s.prefill_s for s in stats) / busy
     return out
 
 

@@ -34,20 +34,19 @@ def markdown(result: dict) -> str:
         + (f"; `selfspec-auto` ran as `{cfg['auto']}` (the default drafter)" if cfg.get("auto") else ""),
         "",
         "| method | tokens/s | speedup | median speedup | vs selfspec-ar | tau | drafts verified / step "
-        "| acceptance by depth | draft / verify share | peak MB | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| acceptance by depth | peak MB | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     # The speculation's own gain: selfspec's plain loop already beats transformers' generate on overhead.
     ar = methods.get("selfspec-ar", {}).get("tokens_per_s")
     for name, m in methods.items():
         vs_ar = f"{m['tokens_per_s'] / ar:.2f}x" if ar and name != BASELINE else "-"
         acc = " ".join(f"{a:.2f}" for a in m.get("acceptance_by_depth") or []) or "-"
-        share = (f"{m['draft_share']:.0%} / {m['verify_share']:.0%}" if "draft_share" in m else "-")
         ident = "n/a (quantized)" if m.get("quantized") else "-" if m["identical"] is None else ("yes" if m["identical"] else f"NO ({len(m['diverged_prompts'])})")
         if m.get("numeric_ties"):
             ident += f", {m['numeric_ties']} numeric ties"
         lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {_f(m['speedup'])}x | {_f(m['speedup_median'])}x | {vs_ar} | "
-                     f"{_f(m['tau'])} | {_f(m.get('drafted_per_step'))} | {acc} | {share} | {_f(m['peak_memory_mb'], '{:.0f}')} | {ident} |")
+                     f"{_f(m['tau'])} | {_f(m.get('drafted_per_step'))} | {acc} | {_f(m['peak_memory_mb'], '{:.0f}')} | {ident} |")
     cats = sorted({c for m in methods.values() for c in m["per_category"]})
     if len(cats) > 1:
         lines += ["", "Speedup by category:", "", "| method | " + " | ".join(cats) + " |",

@@ -36,10 +36,7 @@ class DecodeStats:
     accepted_hist: list[int] = field(default_factory=list)   # [a] = steps that accepted a drafts
     drafted_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0        # target forward + acceptance + cache compaction
-    prefill_s: float = 0.0
-    wall_s: float = 0.0
+    wall_s: float = 0.0          # the whole decode, prefill included
 
     @property
     def tau(self) -> float:
@@ -309,7 +306,8 @@ def decode_rows(
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``cost.fit``; with ``step``, a ``VerifyCost``
     built on that step, which prices its buckets). With ``pace``, a step it says not to draft is a plain
-    step (``plain_draft``), which every drafter still commits. A row ends at ``max_new_tokens``, at its first EOS or,
+    step (``plain_draft``), which every drafter still commits. The loop reads no clock: ``cost`` and ``pace``
+    time the steps they see themselves (from ``fit``, and from ``draft_now``, to their ``observe``). A row ends at ``max_new_tokens``, at its first EOS or,
     with ``stop``, at the first token that completes a stop string (both kept); not with EOS before
     ``min_new_tokens`` new tokens, nor before the row's text (prompt included) is ``min_length`` long, as
     transformers' processors of those names rule. Returns (new tokens per row, stats summed over rows)."""
@@ -353,32 +351,23 @@ def decode_rows(
         pace.start()
     stats.target_forwards = 1
     live = [b for b in range(B) if not ended[b]]
-    _sync(dev)
-    stats.prefill_s = time.perf_counter() - t0
 
     while live:
         live = _shrink(cache, states, live) if step is None else live
         rows, live_drafters = [states[b] for b in live], [drafters[b] for b in live]
-        t1 = time.perf_counter()
         drafting = pace is None or pace.draft_now()                                  # (or a plain step: no pay)
         drafts = drafter.draft_rows(live_drafters, rows) if drafting else [plain_draft(s, dev) for s in rows]  # DRAFT
-        if cost is not None and drafting:                                           # (the width worth verifying)
+        if cost is not None:                                                        # (the width worth verifying)
             drafts = cost.fit(drafts, drafter.max_nodes, rows=None if step is None else B)
-        _sync(dev)
-        t2 = time.perf_counter()
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
         accepted = accept_rows(drafts, outs, params, generator, rows, eos_token_ids)  # ACCEPT
         committed = commit_rows(cache, rows, accepted)                               # COMMIT
         drafter.commit_rows(live_drafters, rows, accepted, outs)                    # (each row's drafter state)
-        _sync(dev)
-        t3 = time.perf_counter()
         if cost is not None:
-            cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts), t3 - t2)
+            cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts))
         if pace is not None:
-            pace.observe(len(live), sum(map(len, committed)), t3 - t1, drafting)
+            pace.observe(len(live), sum(map(len, committed)), drafting)
         stats.plain_steps += 0 if drafting else len(live)
-        stats.draft_s += t2 - t1
-        stats.verify_s += t3 - t2
         stats.target_forwards += 1
         for b, d, a, toks in zip(live, drafts, accepted, committed):
             stats.record(d.tree.depth, a.num_accepted, d.tree.size - 1)

@@ -138,7 +138,7 @@ class WidthFit(Protocol):
 
     def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]: ...
 
-    def observe(self, rows: int, width: int, seconds: float) -> None: ...
+    def observe(self, rows: int, width: int) -> None: ...   # the step fitted last is done (the runtime times it)
 
     def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
                    spent: float, level: float) -> bool: ...
@@ -151,9 +151,9 @@ class Pace(Protocol):
 
     def start(self) -> None: ...
 
-    def draft_now(self) -> bool: ...
+    def draft_now(self) -> bool: ...   # a step begins (the runtime times it)
 
-    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None: ...
+    def observe(self, rows: int, tokens: int, drafted: bool) -> None: ...   # ... and has committed ``tokens``
 
 
 class VerifyStep(Protocol):

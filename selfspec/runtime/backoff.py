@@ -3,8 +3,8 @@
 A drafter pays when the tokens a speculative step commits per second beat what plain steps make
 there. That depends on the machine (a CPU where a wide pass is dear, a GPU where it is free), the
 drafter (a draft model or early exit spends most of a plain step drafting) and the text. So the
-loop asks ``Backoff.draft_now`` before each step and reports each step's committed tokens and seconds
-(``observe``); the back-off compares the two rates as it goes:
+loop asks ``Backoff.draft_now`` before each step and reports each step's committed tokens after it
+(``observe``); the back-off times the step between the two itself and compares the two rates as it goes:
 
 * it measures plain steps now and then (``PLAIN_PROBE`` of them every ``RECHECK`` steps, and first
   after ``WINDOW`` speculative ones), so that it knows the rate to beat on this machine at this
@@ -24,6 +24,10 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
+from .clock import now
+
 
 class Backoff:
     WINDOW = 8          # speculative steps judged together (their tokens over their seconds)
@@ -32,7 +36,9 @@ class Backoff:
     MARGIN = 0.03       # speculation must beat plain steps by this share to stay on
     FIRST_HOLD, MAX_HOLD = 16, 512   # steps drafting stays off after a failed probe (doubling)
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.began = 0.0                  # when the step being run began (``draft_now``)
         self.plain: deque = deque(maxlen=2 * self.PLAIN_PROBE)   # (tokens a row, seconds) of recent plain steps
         self.spec: deque = deque(maxlen=self.WINDOW)              # ... of the speculative steps being judged
         self.hold = self.FIRST_HOLD
@@ -41,13 +47,16 @@ class Backoff:
         self.skip_first = True            # a decode's first step pays one-off costs: not counted
 
     def draft_now(self) -> bool:
-        """Whether the coming step drafts."""
-        if self.plan:
-            return self.plan[0]
-        return True
+        """Whether the coming step drafts; the step's clock starts here."""
+        self.began = now(self.device)
+        return self.plan[0] if self.plan else True
 
-    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """A step of ``rows`` rows committed ``tokens`` tokens in ``seconds`` (drafted or plain)."""
+    def observe(self, rows: int, tokens: int, drafted: bool) -> None:
+        """The step begun at ``draft_now`` committed ``tokens`` tokens over ``rows`` rows (drafted or plain)."""
+        self.record(rows, tokens, now(self.device) - self.began, drafted)
+
+    def record(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """A step of ``rows`` rows committed ``tokens`` tokens in ``seconds``."""
         if self.plan:
             self.plan.popleft()
         if self.skip_first:

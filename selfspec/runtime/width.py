@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING
@@ -60,9 +59,11 @@ import torch
 
 from ..core.backbone import Backbone
 from ..core.cache import KVCache
+from ..core.decode import prefill_rows, verify_rows
 from ..core.tree import subtree, tree_from_parents
 from ..core.types import Draft
 from ..drafters.base import prior_path_p
+from .clock import now
 from .static import BUCKETS, bucket
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ class VerifyCost:
         self._seen: dict[tuple[int, int], deque] = {}        # (rows, width) -> seconds of its last steps
         self._met: set[tuple[int, int]] = set()              # (rows, width) pairs whose first step was seen
         self._steps: dict[int, int] = {}                     # rows -> widths chosen so far
+        self.began = 0.0                                     # when the step being verified began (``fit``)
 
     def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
                    spent: float, level: float) -> bool:
@@ -180,8 +182,12 @@ class VerifyCost:
         return level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
 
     def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]:
-        """Every row's draft cut to the width this step's pass is worth (``fit_width``)."""
-        return fit_width(drafts, self, widest, rows)
+        """Every row's draft cut to the width this step's pass is worth (``fit_width``); the clock of the
+        step's verification (read at ``observe``) starts here."""
+        if any(d.tree.size > 1 for d in drafts):   # (a plain step has nothing to cut)
+            drafts = fit_width(drafts, self, widest, rows)
+        self.began = now(self.backbone.device)
+        return drafts
 
     @property
     def observed(self) -> dict[tuple[int, int], float]:
@@ -209,7 +215,11 @@ class VerifyCost:
             return width
         return bucket(width)
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
+    def observe(self, rows: int, width: int) -> None:
+        """The step fitted last (``fit``) verified ``rows`` rows at ``width`` and is done: ``record`` its time."""
+        self.record(rows, width, now(self.backbone.device) - self.began)
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
         """A decoding step of ``rows`` rows at ``width`` took ``seconds``. The first step at a shape is
         not counted: it pays one-off costs (product layouts timed for a new row count, allocations,
         a compilation), and a width that looked that slow would never be chosen, so never measured again."""
@@ -253,8 +263,6 @@ class VerifyCost:
 
     @torch.no_grad()
     def _time(self, rows: int, width: int) -> dict[int, float]:
-        from ..core.decode import _sync, prefill_rows, verify_rows  # decode imports this module
-
         bb, dev = self.backbone, self.backbone.device
         if self.step is not None:
             return self._time_step(rows, width)
@@ -273,11 +281,9 @@ class VerifyCost:
         seconds: dict[int, list[float]] = {w: [] for w in widths}
         for _ in range(self.sweeps):
             for w in widths:
-                _sync(dev)
-                t = time.perf_counter()
+                t = now(dev)
                 verify_rows(bb, cache, pasts, drafts[w])
-                _sync(dev)
-                seconds[w].append(time.perf_counter() - t)
+                seconds[w].append(now(dev) - t)
                 cache.keep(pasts, empty)
         return {w: statistics.median(s) for w, s in seconds.items()}
 
@@ -286,8 +292,6 @@ class VerifyCost:
     def _time_step(self, rows: int, width: int) -> dict[int, float]:
         """Each bucket up to ``width``'s, through the static step (run once untimed first: a bucket not yet
         compiled compiles then). Not kept between processes: a compiled pass's speed is the compiler's."""
-        from ..core.decode import _sync, prefill_rows
-
         bb, dev, step = self.backbone, self.backbone.device, self.step
         shapes = [b for b in BUCKETS if b < self._shape(width)] + [self._shape(width)]
         gen = torch.Generator().manual_seed(0)
@@ -304,12 +308,10 @@ class VerifyCost:
         seconds: dict[int, list[float]] = {w: [] for w in shapes}
         for sweep in range(self.sweeps + 1):
             for w in shapes:
-                _sync(dev)
-                t = time.perf_counter()
+                t = now(dev)
                 step.verify(bb, cache, pasts, drafts[w], rows=every, capture=self.capture)
-                _sync(dev)
                 if sweep:
-                    seconds[w].append(time.perf_counter() - t)
+                    seconds[w].append(now(dev) - t)
                 cache.keep(pasts, empty)
         step.storage.release(cache)
         return {w: statistics.median(s) for w, s in seconds.items()}
