@@ -123,3 +123,18 @@ def test_a_hold_carries_over_to_the_next_generate_call():
     assert not first[-1], "drafting is off at the end of the first decode"
     b.start()
     assert _feed(b, 5, spec_rate=0.5, plain_rate=1.0) == [False] * 5
+
+
+@pytest.mark.parametrize("spec_rate, probe", [(0.5, 2), (0.85, 4), (0.97, Backoff.WINDOW)])
+def test_a_probe_that_clearly_loses_ends_early(spec_rate, probe):
+    """Once drafting is off, each probe drafts 2 steps where it clearly loses (half the plain rate), 4 where
+    it loses by more than a tenth, and a whole window where it is close: what a drafter that never pays costs."""
+    done = _feed(Backoff(), 2000, spec_rate=spec_rate, plain_rate=1.0)
+    runs, n = [], 0
+    for drafted in done[200:]:
+        if drafted:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    assert runs and set(runs) == {probe}, runs
