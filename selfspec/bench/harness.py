@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from ..core.backbone import Backbone
 from ..core.decode import DecodeStats
+from ..runtime.clock import now
 
 BASELINE = "hf-generate"
 # Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.
@@ -131,11 +131,6 @@ def interleaved_order(methods: list[str], prompt_index: int) -> list[str]:
     """Rotate the method order by one per prompt: each method runs first, second, ... equally often."""
     k = prompt_index % len(methods)
     return methods[k:] + methods[:k]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -244,11 +239,9 @@ def run_bench(
         for name in interleaved_order(names, i):
             m = by_name[name]
             _reset_peak(device)
-            _sync(device)
-            t0 = time.perf_counter()
+            t0 = now(device)
             rows, stats = m.fn([encoded[p.id] for p in batch], max_new_tokens, generator(batch[0].id))
-            _sync(device)
-            wall = time.perf_counter() - t0
+            wall = now(device) - t0
             for j, (p, tokens) in enumerate(zip(batch, rows)):   # the batch's stats go with its first row
                 m.runs[p.id] = Run(tokens=list(tokens), wall_s=wall / len(batch), stats=stats if j == 0 else None,
                                    peak_mb=None if m.external else _peak_mb(device))

@@ -306,8 +306,9 @@ def decode_rows(
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``cost.fit``; with ``step``, a ``VerifyCost``
     built on that step, which prices its buckets). With ``pace``, a step it says not to draft is a plain
-    step (``plain_draft``), which every drafter still commits. The loop reads no clock: ``cost`` and ``pace``
-    time the steps they see themselves (from ``fit``, and from ``draft_now``, to their ``observe``). A row ends at ``max_new_tokens``, at its first EOS or,
+    step (``plain_draft``), which every drafter still commits. The loop reads no clock: ``cost`` and
+    ``pace`` time the steps they see themselves (from ``fit``, and from ``draft_now``, to their
+    ``observe``). A row ends at ``max_new_tokens``, at its first EOS or,
     with ``stop``, at the first token that completes a stop string (both kept); not with EOS before
     ``min_new_tokens`` new tokens, nor before the row's text (prompt included) is ``min_length`` long, as
     transformers' processors of those names rule. Returns (new tokens per row, stats summed over rows)."""
