@@ -224,7 +224,7 @@ def save_heads(heads: Heads, directory: str | os.PathLike) -> None:
                for k, v in heads.module.state_dict().items() if k not in shared_tensors(heads.config)}
     if heads.draft_vocab is not None:
         tensors["draft_vocab"] = heads.draft_vocab.detach().cpu().to(torch.int64)
-    with atomic_path(directory / "model.safetensors", suffix=".safetensors.tmp") as tmp:
+    with atomic_path(directory / "model.safetensors") as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
     write_heads_config(directory, asdict(heads.config))
 

@@ -16,25 +16,28 @@ from pathlib import Path
 from typing import Iterator
 
 TMP_PREFIX = ".tmp-"
-SHARED_FILE_MODE = 0o644   # mkstemp makes 0600 files; what selfspec writes is meant to be shared
+SHARED_FILE_MODE = 0o644   # what selfspec writes is meant to be shared, whatever the umask
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, mode: int | None = SHARED_FILE_MODE, suffix: str = ".tmp") -> Iterator[Path]:
-    """Yield a temporary file path beside ``path`` for the caller to write (any writer that takes a
-    path: ``torch.save``, safetensors' ``save_file``); when the block ends normally it replaces
-    ``path``, when it raises the temporary file is removed and ``path`` is untouched."""
+def atomic_path(path: str | os.PathLike, *, mode: int | None = SHARED_FILE_MODE) -> Iterator[Path]:
+    """Yield a temporary file path for the caller to write (any writer that takes a path:
+    ``torch.save``, safetensors' ``save_file``); when the block ends normally it replaces ``path``,
+    when it raises the temporary is removed and ``path`` is untouched.
+
+    The temporary file lies in a private directory beside ``path`` (named TMP_PREFIX...), so whatever
+    temporaries the writer makes of its own (safetensors writes through one beside its target) land
+    there too, and a killed write leaves one directory that :func:`remove_stale_temporaries` deletes."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}-", suffix=suffix)
-    os.close(fd)
+    scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}-"))
+    tmp = scratch / path.name
     try:
-        yield Path(tmp)
+        yield tmp
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> None:

@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from selfspec.io import atomic_dir, atomic_path, atomic_write_text, prompt_ids
+from selfspec.io import atomic_dir, atomic_path, atomic_write_text, prompt_ids, remove_stale_temporaries
 from selfspec.training.data import prompt_token_ids
 
 WORDS = ["<pad>", "<unk>", "<bos>", "<eos>", "user:", "assistant:"] + [f"w{i}" for i in range(20)]
@@ -89,10 +89,17 @@ def test_atomic_file_writes_replace_whole_or_not_at_all(tmp_path):
     assert path.read_text() == "one" and oct(path.stat().st_mode & 0o777) == "0o644"
     with pytest.raises(RuntimeError):
         with atomic_path(path) as tmp:
+            (tmp.parent / ".tmpAb12Cd").write_text("the writer's own")   # as safetensors makes beside its target
             tmp.write_text("torn")
             raise RuntimeError("killed mid-write")
     assert path.read_text() == "one"
-    assert os.listdir(tmp_path) == ["f.json"]   # no temporary file left
+    assert os.listdir(tmp_path) == ["f.json"]   # no temporary file left, the writer's own neither
+    # A write killed outright leaves one scratch directory, which the next run's clean-up deletes.
+    writer = atomic_path(path)
+    tmp = writer.__enter__()
+    (tmp.parent / ".tmpAb12Cd").write_text("the writer's own")
+    remove_stale_temporaries(tmp_path)
+    assert os.listdir(tmp_path) == ["f.json"] and path.read_text() == "one"
 
 
 def test_atomic_dir_replaces_keeps_and_cleans_up(tmp_path):

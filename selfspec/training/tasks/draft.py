@@ -127,7 +127,7 @@ def save_draft(student: torch.nn.Module, out, *, base_model: str, base_fingerpri
     student.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    with atomic_path(out / WEIGHTS_FILE, suffix=".safetensors.tmp") as tmp:
+    with atomic_path(out / WEIGHTS_FILE) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
     meta = {"base_model": base_model, "base_fingerprint": base_fingerprint, "shared": sorted(set(sd) - names),
             "dtype": save_dtype, "num_layers": student.config.num_hidden_layers, "selfspec_version": __version__,
