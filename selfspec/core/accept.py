@@ -30,43 +30,38 @@ class Accepted:
 
 
 def greedy_accept_rows(trees: list[Tree], tokens: list[torch.Tensor], target_argmax: list[torch.Tensor]) -> list[Accepted]:
-    """Per row: the longest root path whose every token equals the target's argmax at its parent.
+    """Per row: the longest root path whose every token equals the target's argmax at its parent (the
+    first such node in node order where several are deepest).
 
-    Row b: tokens[b], target_argmax[b] (n_b,) long over trees[b]'s nodes. One batched tensor rule over
-    the rows (trees padded to the largest; padding never matches), the path and its tokens gathered on
-    the device, and ONE host read for all rows: each row's path, the tokens it commits, and its tree's
-    depth (kept on the tree for the loop's statistics, so reading it costs nothing more). Exact: the
-    committed tokens are the ones plain greedy decoding would produce, whatever the draft proposed.
+    Row b: tokens[b], target_argmax[b] (n_b,) long over trees[b]'s nodes. ONE host read for all rows
+    (every row's argmaxes, tokens and parents, concatenated), then a walk over each tree's nodes in
+    order (a parent comes before its children), which also gives each tree's depth (kept on the tree
+    for the loop's statistics, so reading it costs nothing more). Exact: the committed tokens are the
+    ones plain greedy decoding would produce, whatever the draft proposed.
     """
-    B, n = len(trees), max(t.size for t in trees)
     dev = target_argmax[0].device
-    pad = lambda x, fill: torch.cat([x.to(dev), x.new_full((n - x.shape[0],), fill).to(dev)])  # noqa: E731
-    top = torch.stack([pad(a, -1) for a in target_argmax])                                     # (B, n)
-    toks = torch.stack([pad(x, -2) for x in tokens])                                            # (B, n)
-    parents = torch.stack([pad(t.parents.clamp(min=0), 0) for t in trees])
-    depths = torch.stack([pad(t.depths, -1) for t in trees])
-    if B == 1:
-        anc = trees[0].ancestors.to(dev)[None]
-    else:
-        anc = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)
-        for b, t in enumerate(trees):
-            anc[b, : t.size, : t.size] = t.ancestors.to(dev)
-    match = toks == top.gather(1, parents)
-    match[:, 0] = True
-    alive = ~(anc & ~match[:, None, :]).any(dim=2)            # (B, n) every node on the path matches
-    best = torch.argmax(torch.where(alive, depths, -1), dim=1)                                  # (B,)
-    on_path = anc.gather(1, best[:, None, None].expand(-1, 1, n))[:, 0]                         # (B, n)
-    order = torch.where(on_path, torch.arange(n, device=dev), n).sort(dim=1).values             # path first
-    path_tokens = toks.gather(1, order.clamp(max=n - 1))
-    bonus = top.gather(1, best[:, None])
-    # The single host sync of a greedy step: each row's path, its tokens, its bonus and its tree's depth.
-    read = torch.cat([bonus, depths.max(dim=1, keepdim=True).values, order, path_tokens], dim=1).tolist()
-    out = []
-    for t, row in zip(trees, read):
-        x, depth, order_b, toks_b = row[0], row[1], row[2: 2 + n], row[2 + n:]
-        m = sum(1 for i in order_b if i < n)
-        t.__dict__.setdefault("depth", depth)   # Tree.depth, spared a read of its own
-        out.append(Accepted(path=tuple(order_b[:m]), bonus=x, tokens=(*toks_b[1:m], x)))
+    flat = torch.cat([torch.cat([a.to(dev), x.to(dev), t.parents.to(dev)])
+                      for t, x, a in zip(trees, tokens, target_argmax, strict=True)]).tolist()
+    out, at = [], 0
+    for t in trees:
+        n = t.size
+        top, toks, parents = flat[at: at + n], flat[at + n: at + 2 * n], flat[at + 2 * n: at + 3 * n]
+        at += 3 * n
+        depth, alive, best = [0] * n, [True] + [False] * (n - 1), 0
+        for i in range(1, n):
+            p = parents[i]
+            depth[i] = depth[p] + 1
+            if alive[p] and toks[i] == top[p]:
+                alive[i] = True
+                if depth[i] > depth[best]:
+                    best = i
+        t.__dict__.setdefault("depth", max(depth))   # Tree.depth, spared a read of its own
+        path, node = [], best
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        out.append(Accepted(path=tuple(path), bonus=top[best], tokens=(*(toks[i] for i in path[1:]), top[best])))
     return out
 
 
