@@ -607,10 +607,11 @@ class _CyclingWidths:
         self.cut += sum(int(c.numel() >= w) for c in chances)   # rows that lose nodes this step
         return w
 
-    def level_pays(self, chances, children, *, rows, widest, spent, level):
+    def level_pays(self, chances, children, *, rows, widest, running):
         from selfspec.runtime import width
 
-        return width.level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
+        # A level priced as a tiny head's is, against this table's pass: no clock, the same decisions every run.
+        return width.level_pays(chances, children, self.table(rows, widest), spent=2e-4 * running, level=2e-4)
 
     def fit(self, drafts, widest, rows=None):
         from selfspec.runtime.width import fit_width

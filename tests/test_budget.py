@@ -54,6 +54,27 @@ def test_a_draft_level_pays_where_its_expected_tokens_outweigh_its_seconds():
     assert not level_pays(two, [torch.tensor([0.03]), torch.tensor([0.06])], flat, spent=0.0, level=0.2)
 
 
+def test_the_runtime_times_the_draft_levels_between_its_questions(monkeypatch):
+    """``VerifyCost.level_pays`` times each level from one question to the next within a step, by the rows
+    it ran; a row count not yet timed pays; ``fit`` ends a step, so no level spans a verification."""
+    from selfspec.runtime import width
+
+    clock = iter([0.0, 0.0, 0.01, 0.01, 0.61, 5.0, 5.0, 5.0, 9.0, 9.0, 9.0])
+    monkeypatch.setattr(width, "now", lambda device: next(clock))
+    cost = VerifyCost(Backbone(tiny_model("llama")))
+    monkeypatch.setattr(cost, "table", lambda rows, widest: [1.0] * widest)   # a flat pass of 1 s
+    drafted, children = [torch.tensor([0.8, 0.5])], [torch.tensor([0.4, 0.1])]
+    ask = lambda running: cost.level_pays(drafted, children, rows=1, widest=8, running=running)   # noqa: E731
+    assert ask(1)            # t=0, a step's first question: no level of one row timed yet, so it runs
+    assert ask(2)            # t=0.01: that level took 0.01 s; none of two rows timed yet
+    assert not ask(2)        # t=0.61: a level of two rows takes 0.6 s, dear against a 1 s pass: stop
+    cost.fit([], 8)          # t=5: verification
+    assert ask(1)            # a new step (t=5): priced by the 0.01 s level, nothing timed across the verification
+    cost.fit([], 8)          # t=9: that level ran on to the end of drafting: not timed either
+    assert ask(1)
+    assert {r: list(s) for r, s in cost._levels.items()} == {1: [0.01], 2: [pytest.approx(0.6)]}
+
+
 def test_trim_keeps_the_likeliest_nodes_as_a_tree():
     tree = build_tree(((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
     p = torch.tensor([1.0, 0.5, 0.45, 0.4, 0.44, 0.3])   # node 4 (under 2) outranks node 3 (under 1)
@@ -229,10 +250,11 @@ class _Cycling:
     def width(self, chances, widest, rows=None):
         return best_width(chances, self.table(len(chances), widest))
 
-    def level_pays(self, chances, children, *, rows, widest, spent, level):
+    def level_pays(self, chances, children, *, rows, widest, running):
         from selfspec.runtime import width
 
-        return width.level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
+        # A level priced as a tiny head's is, against this table's pass: no clock, the same decisions every run.
+        return width.level_pays(chances, children, self.table(rows, widest), spent=2e-4 * running, level=2e-4)
 
     def fit(self, drafts, widest, rows=None):
         from selfspec.runtime.width import fit_width

@@ -141,7 +141,7 @@ class WidthFit(Protocol):
     def observe(self, rows: int, width: int) -> None: ...   # the step fitted last is done (the runtime times it)
 
     def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
-                   spent: float, level: float) -> bool: ...
+                   running: int) -> bool: ...   # one more stage, of ``running`` rows (the runtime times the stages)
 
 
 class Pace(Protocol):

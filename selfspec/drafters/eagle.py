@@ -20,8 +20,8 @@ The tree, per step (EAGLE-2):
   outscores its parent, so the kept set is a tree), and cuts those below ``threshold``; drafting
   stops early at a level whose best path is already below it (each level costs a head call),
   and, with width fitting on (``use_cost``), at a level not expected to pay on this machine:
-  ``runtime.width.level_pays`` weighs the tokens it is expected to add against its measured seconds and the
-  pass's cost curve.
+  ``runtime.width.VerifyCost.level_pays`` weighs the tokens it is expected to add against the seconds the
+  runtime measured levels to cost and the pass's cost curve.
 
 Sampling stays exact (``verify.rejection_accept_tree``): a node's children are drawn without
 replacement from that node's own distribution, in draw order, and whether a child is kept or
@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +125,6 @@ class EagleDrafter(Drafter):
         self.capture_layers = aux
         # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
         self.project = functools.partial(F.linear, weight=self.head.lm_head.weight)
-        self.level_s: dict[int, deque] = {}           # rows in a head call -> seconds of its last levels (row copies share it)
         self.cache = kv.new_cache()                    # the head's KV cache: this drafter's own, or a batch's (begin_rows)
         self.row = 0                                   # this drafter's row of ``cache``
         self.committed = 0                             # head cache slots that hold committed tokens
@@ -143,21 +140,15 @@ class EagleDrafter(Drafter):
     def use_cost(self, cost: "WidthFit | None", rows: int | None = None) -> None:
         self.cost, self.cost_rows = cost, rows
 
-    def _level_pays(self, drafted: torch.Tensor, children: torch.Tensor, active: list[int], spent: float) -> bool:
-        """Whether one more level is expected to pay on this machine (``runtime.width.level_pays``). drafted (R, n):
-        the rows' drafted chances so far; children (R, k): what each row's next level is expected to add
-        (its ``expand`` best nodes' chances times the last level's mean top probability: what a child
-        keeps of its parent's chance), for the ``active`` rows. Priced by the pass's cost curve and the
-        last levels' measured seconds at this many rows; unmeasured (the first level drafted at a row
-        count), it pays, and is measured."""
-        seen = self.level_s.get(len(active))
-        if not seen:
-            return True
+    def _level_pays(self, drafted: torch.Tensor, children: torch.Tensor, active: list[int]) -> bool:
+        """Whether one more level, run for the ``active`` rows, is expected to pay on this machine
+        (``WidthFit.level_pays``, which times the levels itself). drafted (R, n): the rows' drafted chances so
+        far; children (R, k): what each row's next level is expected to add (its ``expand`` best nodes'
+        chances times the last level's mean top probability: what a child keeps of its parent's chance)."""
         on = set(active)
         return self.cost.level_pays([drafted[b] for b in range(len(drafted))],
                                     [children[b] if b in on else children[b, :0] for b in range(len(children))],
-                                    rows=self.cost_rows or len(drafted), widest=self.max_nodes, spent=spent,
-                                    level=min(seen))
+                                    rows=self.cost_rows or len(drafted), widest=self.max_nodes, running=len(active))
 
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -287,7 +278,6 @@ class EagleDrafter(Drafter):
         H = prev.shape[-1]
         # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
-        t_step = time.perf_counter() if reads else 0.0
         cand, score, q = self._candidates(self._logits(prev[:, 0]), states[0])               # (R, k)
         rho = score[:, 0].float().exp() if reads else None   # (R,) the last level's mean top probability (width fitting)
         tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
@@ -300,7 +290,6 @@ class EagleDrafter(Drafter):
         if self.static_step is None:   # level d's nodes all sit at position past + d - 1: every level's rotary at once
             cos, sin = self.backbone.rotary_emb(prev, position_ids=past[:, None] + torch.arange(self.depth - 1, device=dev))
         start, levels, frontiers = 1, [1] * R, []
-        t_level, ran = t_step, R            # the level being drafted: since when, at how many rows (level_stop)
         active, a = list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
             best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
@@ -313,13 +302,9 @@ class EagleDrafter(Drafter):
                     if not active:
                         break
                 if self.cost is not None and self.level_stop:
-                    now = time.perf_counter()
-                    if d > 1:                              # the level just drafted, up to its scores' read
-                        self.level_s.setdefault(ran, deque(maxlen=3)).append(now - t_level)
                     children = (read[:, n:n + k] + read[:, n + k:]).exp()   # best nodes' chances x rho
-                    if not self._level_pays(read[:, :n].exp(), children, active, now - t_step):
+                    if not self._level_pays(read[:, :n].exp(), children, active):
                         break
-                    t_level, ran = time.perf_counter(), len(active)
                 a = torch.tensor(active, device=dev)
             top = start + best                                                                  # (R, k) pool ids
             frontiers.append(top)

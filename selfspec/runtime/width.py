@@ -33,7 +33,8 @@ share of a step whose pass costs the same for 1 or 64 nodes. So before each leve
 asks ``level_pays``: with the nodes drafted so far, the step's best rate is its best width's expected
 tokens over (the pass's cost + the seconds drafted so far); the next level is expected to add the
 current level's best nodes' chances times what a child kept of its parent's chance at the last
-level, and costs what the last levels at this row count measured (the fastest of the last three). If
+level, and costs what the last levels at this row count measured (the fastest of the last three, each
+timed from one question to the next; the seconds drafted are counted from the step's first question). If
 the rate with those nodes, after paying for the level, is not higher, drafting stops. Where a wide
 pass is dear this stops most trees after a level or two; where verifying is flat and levels are cheap it lets a
 confident tree grow to its depth. Like the cut, it never changes what acceptance commits, and when
@@ -175,18 +176,33 @@ class VerifyCost:
         self._met: set[tuple[int, int]] = set()              # (rows, width) pairs whose first step was seen
         self._steps: dict[int, int] = {}                     # rows -> widths chosen so far
         self.began = 0.0                                     # when the step being verified began (``fit``)
+        self._levels: dict[int, deque] = {}                  # rows a draft level ran -> seconds of its last ones
+        self._level: tuple[float, int] | None = None         # the level running: since when, at how many rows
+        self._drafting = 0.0                                 # when this step's first level decision came
 
     def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
-                   spent: float, level: float) -> bool:
-        """``level_pays`` priced by this machine's pass at ``rows`` rows (widths up to ``widest``)."""
-        return level_pays(chances, children, self.table(rows, widest), spent=spent, level=level)
+                   running: int) -> bool:
+        """``level_pays`` priced by this machine's pass at ``rows`` rows (widths up to ``widest``), for a level
+        that would run ``running`` rows of the drafter's. The levels are timed here: from one call to the
+        next within a step (the first call of a step, after the last ``fit``, starts the step's clock), the
+        fastest of the last RECENT at that many rows; a level count not yet timed pays, and is timed."""
+        t = now(self.backbone.device)
+        if self._level is None:
+            self._drafting = t
+        else:
+            self._levels.setdefault(self._level[1], deque(maxlen=self.RECENT)).append(t - self._level[0])
+        seen = self._levels.get(running)
+        pays = not seen or level_pays(chances, children, self.table(rows, widest), spent=t - self._drafting,
+                                      level=min(seen))
+        self._level = (now(self.backbone.device), running) if pays else None
+        return pays
 
     def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]:
         """Every row's draft cut to the width this step's pass is worth (``fit_width``); the clock of the
         step's verification (read at ``observe``) starts here."""
         if any(d.tree.size > 1 for d in drafts):   # (a plain step has nothing to cut)
             drafts = fit_width(drafts, self, widest, rows)
-        self.began = now(self.backbone.device)
+        self.began, self._level = now(self.backbone.device), None   # (drafting is over: no level runs on)
         return drafts
 
     @property
