@@ -131,6 +131,6 @@ def pyplot():
 def save_figure(fig, path: str | os.PathLike) -> None:
     """Lay out ``fig``, write it to ``path`` whole (see :func:`atomic_path`) and free it."""
     fig.tight_layout()
-    with atomic_path(path, suffix=Path(path).suffix) as tmp:
+    with atomic_path(path) as tmp:   # (the temporary keeps the name, so its format reads from it)
         fig.savefig(tmp, dpi=120)
     pyplot().close(fig)
