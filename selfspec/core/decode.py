@@ -206,8 +206,11 @@ def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tenso
     """Per row: its first sizes[i] nodes of a padded pass (normed (B, n, H), row rows[i]). The LM head
     (the widest product) runs on real nodes only: the rows' nodes packed, padding left out."""
     n = normed.shape[1]
-    real = torch.cat([torch.arange(m, device=normed.device) + b * n for b, m in zip(rows, sizes)])
-    logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
+    if len(rows) == 1:   # one row: its real nodes are a slice
+        logits = [backbone.logits(normed[rows[0], : sizes[0]])]
+    else:
+        real = torch.cat([torch.arange(m, device=normed.device) + b * n for b, m in zip(rows, sizes)])
+        logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
     return [TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
             for b, m, lg in zip(rows, sizes, logits)]
 

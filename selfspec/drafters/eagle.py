@@ -552,7 +552,6 @@ class EagleDrafter(Drafter):
         """``_grow`` for a greedy step at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
         over every row of the head cache (an idle row drafts at the top slots, which no row reads)."""
         dev, k, B = self.backbone.device, self.expand, self.cache.batch
-        rows = torch.tensor([x.row for x in drafters], device=dev)
         C = self.cache.keys[0].shape[2]
         H, A = self.head.fc.weight.shape
         root = torch.zeros(B, H, dtype=self.dtype, device=dev)
@@ -565,13 +564,12 @@ class EagleDrafter(Drafter):
             commit = (torch.zeros(B, N, A, dtype=self.dtype, device=dev), torch.zeros(B, N, dtype=torch.long, device=dev),
                       slots.clone(), slots, slots + 1)
             sizes = torch.zeros(B, dtype=torch.long, device=dev)
-            root.index_copy_(0, rows, torch.cat([x.root_state[:, 0] for x in drafters]))
-        pending = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
-            0, rows, torch.tensor([s.ids[-1] for s in states], device=dev))
-        committed = torch.full((B,), C - self.depth * k, device=dev).index_copy_(
-            0, rows, torch.tensor([x.committed for x in drafters], device=dev))
-        past = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
-            0, rows, torch.tensor([s.past_len for s in states], device=dev))
+            root.index_copy_(0, torch.tensor([x.row for x in drafters], device=dev),
+                             torch.cat([x.root_state[:, 0] for x in drafters]))
+        live = [x.row for x in drafters]
+        pending = self._at_rows(live, [s.ids[-1] for s in states], 0)
+        committed = self._at_rows(live, [x.committed for x in drafters], C - self.depth * k)   # (idle: the top slots)
+        past = self._at_rows(live, [s.past_len for s in states], 0)
         tokens, parents, depths, ranks, ancestors, path_p = self._tree(
             self.cache.keys, self.cache.values, *commit, sizes, root, pending, committed, past)
         drafts = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
@@ -579,10 +577,24 @@ class EagleDrafter(Drafter):
         return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
                 for d, s in zip(drafts, states)]
 
-    def _padded(self, rows: torch.Tensor, *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
-        """The live rows' inputs (first dim R) placed at their ``rows`` (R,) of the head cache; the idle rows
+    def _at_rows(self, live: list[int], values: list[int], idle: int) -> torch.Tensor:
+        """(B,) long over every row of the head cache: ``values`` at rows ``live``, ``idle`` at the others."""
+        dev = self.backbone.device
+        if live == list(range(self.cache.batch)):
+            return torch.tensor(values, dtype=torch.long, device=dev)
+        return torch.full((self.cache.batch,), idle, dtype=torch.long, device=dev).index_copy_(
+            0, torch.tensor(live, device=dev), torch.tensor(values, dtype=torch.long, device=dev))
+
+    def _padded(self, live: list[int], rows: torch.Tensor, *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
+        """The live rows' inputs (first dim R) placed at their rows ``live`` (``rows`` on the device) of the head cache; the idle rows
         (finished sequences) get zeros, except their slots (``xs[0]``): ``idle_slots`` (n,), past anything
         they will read."""
+        if live == list(range(self.cache.batch)):   # every row live, in order: nothing to pad
+            out, seen = [], set()                   # (a repeated input or a view is copied: no two inputs alias)
+            for x in xs:
+                out.append(x if x.is_contiguous() and id(x) not in seen else x.contiguous().clone())
+                seen.add(id(x))
+            return out
         out = []
         for i, x in enumerate(xs):
             full = (idle_slots.expand(self.cache.batch, *x.shape[1:]) if i == 0
@@ -602,9 +614,10 @@ class EagleDrafter(Drafter):
         ancs = committed[:, None, None] + torch.arange(d - 1, device=dev)[None, None] * k + anc
         vis = torch.cat([ancs, own[..., None].expand(-1, -1, self.depth - d + 1)], dim=2)    # (R, k, depth)
         C = self.cache.keys[0].shape[2]
-        rows = torch.tensor([x.row for x in drafters], device=dev)
+        live = [x.row for x in drafters]
+        rows = torch.tensor(live, device=dev)
         slots, feature, tokens, positions, limit, vis = self._padded(
-            rows, own, feature.to(self.dtype), tokens, positions, committed[:, None].expand(-1, k), vis,
+            live, rows, own, feature.to(self.dtype), tokens, positions, committed[:, None].expand(-1, k), vis,
             idle_slots=torch.arange(C - k, C, device=dev))
         run = self._static(self.cache.keys, self.cache.values, feature, tokens, positions, slots, limit, vis, False)
         return run[rows]
@@ -627,13 +640,13 @@ class EagleDrafter(Drafter):
             tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
         positions = starts[:, None] + torch.arange(N, device=dev)
         C = self.cache.keys[0].shape[2]
-        rows = torch.tensor([d.row for d in drafters], device=dev)
+        live = [d.row for d in drafters]
+        rows = torch.tensor(live, device=dev)
         slots, positions, aux, tokens, limit = self._padded(
-            rows, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
+            live, rows, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
         commit = (aux, tokens, positions, slots, limit)
         # Fused: run by the next step's draft, in its one call (``_tree_pass``); else now (``_flush``).
-        self._pending[:] = [commit, torch.zeros(self.cache.batch, dtype=torch.long, device=dev).index_copy_(
-            0, rows, torch.tensor(sizes, device=dev))]
+        self._pending[:] = [commit, self._at_rows(live, sizes, 0)]   # (idle rows: no real slot)
         for b, d in enumerate(drafters):
             d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
             d.root_state = None
