@@ -19,7 +19,9 @@ def bucket(n: int) -> int:
 
 class StaticFunction:
     """``fn`` run at static shapes: through ``torch.compile`` when ``compile`` (on CUDA, ``mode``
-    "reduce-overhead" also captures each shape as a CUDA graph), else as it is. Every static pass
+    "reduce-overhead" also captures each shape as a CUDA graph; elsewhere inductor's ``cpp_wrapper``
+    makes the code that calls its kernels C++ as well, which on a small model is much of a step's
+    host work), else as it is. Every static pass
     (the verify step of ``step.py``, the eagle head's draft step) is built so.
 
     A CUDA graph's outputs live in its memory pool until its next replay, and callers keep some
@@ -43,7 +45,10 @@ class StaticFunction:
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
         # One graph per shape (rows, bucket, capacity, capture); a run meets a handful.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self._fn = torch.compile(fn, mode=mode, dynamic=False)
+        if mode is None:   # (CPU) the compiled function's own host code in C++ too, not a Python wrapper
+            self._fn = torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
+        else:
+            self._fn = torch.compile(fn, mode=mode, dynamic=False)
 
     def __call__(self, *args):
         if self.graphs:
