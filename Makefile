@@ -36,8 +36,8 @@ $(DRAFT): | $(STAMP)
 GEN := $(BIN)/selfspec generate --model smollm2-135m --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
 
 demo: install $(DRAFT)
-	@echo; echo "=== the default drafter: the EAGLE feature head (checkpoints/smollm2-135m/default.json) ==="; $(GEN)
-	@echo; echo "=== Medusa heads ==="; $(GEN) --drafter medusa
+	@echo; echo "=== the default drafter: Medusa heads (checkpoints/smollm2-135m/default.json) ==="; $(GEN)
+	@echo; echo "=== the EAGLE feature head ==="; $(GEN) --drafter eagle
 	@echo; echo "=== early exit at layer 15 of 30 ==="; $(GEN) --drafter early-exit
 	@echo; echo "=== two-model: a 2-layer draft distilled from the target for 60 steps ($(DRAFT)) ==="; \
 		$(GEN) --drafter draft-model --draft-model $(DRAFT)
