@@ -125,11 +125,8 @@ def _search_lines(ts: dict, decode, *, title: str) -> list[str]:
              "fewer tokens accepted proposes nothing; lookup: up to this many tokens copied from the context "
              "are grafted on; verified/step counts the nodes verified."
              + (" A second round timed again the fastest candidates (" +
-                (f"at most {ts['finalists']} with the lookup and {ts['finalists']} without, each within twice the "
-                 "tolerance of its group's best" if decode.without_lookup and ts.get("finalists_by_lookup") else
-                 f"at most {ts['finalists']}, those within twice the tolerance of the best") +
-                f") on {ts['n_prompts']} other prompts of the file; their numbers pool both "
-                "rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
+                f"at most {ts['finalists']}, those within twice the tolerance of the best) on {ts['n_prompts']} "
+                "other prompts of the file; their numbers pool both rounds (runs), and the pick is one of them." if ts.get("finalists") and ts.get("prompts") else "")
              + _pick_rule(ts), "",
              "| tree | draft nodes | threshold | gate | lookup | verified/step | tokens/s | speedup | tau | runs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -145,11 +142,6 @@ def _search_lines(ts: dict, decode, *, title: str) -> list[str]:
     lines.append("")
     lines.append(f"Chosen: `{chosen if isinstance(chosen, str) else [tuple(p) for p in chosen]}`, "
                  f"threshold {decode.threshold:g}, gate {decode.gate:g}, lookup {decode.lookup}.")
-    off = decode.without_lookup
-    if off is not None:
-        lines.append(f"With the lookup off (`lookup=0`, the bench's `-heads` methods), \"auto\" is the pick among "
-                     f"the candidates without it: `{off.tree if isinstance(off.tree, str) else [tuple(p) for p in off.tree]}`, "
-                     f"threshold {off.threshold:g}, gate {off.gate:g}.")
     lines.append("")
     return lines
 

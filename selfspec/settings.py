@@ -80,18 +80,18 @@ class DecodeSettings:
     """The ``decode`` section of a heads directory's ``config.json``: per-step settings measured
     fastest for these heads by ``selfspec tune-tree`` (all off until it has run).
 
-    ``without_lookup``: where the pick copies from the context (lookup > 0), the tree, threshold and
-    gate measured fastest with the lookup off, which a user who turns it off (``lookup=0``) gets: a
-    tree cut for use beside the lookup's copies leaves the heads alone with about one node a step.
+    One record per kind of device and mode: a user who turns the lookup off (``lookup=0``) gets the same
+    tree, threshold and gate without it (width fitting cuts each step's tree to what it pays on the
+    machine anyway). An older tune-tree's ``without_lookup`` record is read and dropped.
 
-    ``sampled``: the settings ``tune-tree --temperature`` measured fastest when sampling (with a
-    ``without_lookup`` of their own), which "auto" gives a sampled ``generate``. Sampling accepts
+    ``sampled``: the settings ``tune-tree --temperature`` measured fastest when sampling, which "auto"
+    gives a sampled ``generate``. Sampling accepts
     fewer drafted tokens than greedy decoding, so a tree and threshold tuned greedy draft deeper
     than sampling repays; None: sampling reads the greedy settings.
 
     ``devices``: settings tune-tree measured on another kind of device than a CPU, as
     ``((device type, DecodeSettings), ...)`` (config.json: ``"devices": {"cuda": {...}}``), each a whole
-    section of its own (with its ``without_lookup`` and ``sampled``). A GPU verifies 60 nodes for about
+    section of its own (with its ``sampled``). A GPU verifies 60 nodes for about
     the price of one, a CPU does not, so the tree that pays on one is not the tree that pays on the
     other. The rest of the section is the CPU's (``HOME_DEVICE``), and what a device without settings
     of its own reads (``for_device``)."""
@@ -100,36 +100,29 @@ class DecodeSettings:
     threshold: float = 0.0
     gate: float = 0.0
     lookup: int = 0
-    without_lookup: "DecodeSettings | None" = None
     sampled: "DecodeSettings | None" = None
     devices: tuple = ()
 
     @classmethod
     def from_json(cls, raw, *, section: str = "decode", where: str = "its decode section") -> "DecodeSettings":
-        """``section``: "decode" (the whole section), "device" (one device's: no devices of its own),
-        "sampled" (its sampled settings: no sampled section of their own) or "without_lookup" (no
-        sub-section; lookup 0)."""
+        """``section``: "decode" (the whole section), "device" (one device's: no devices of its own) or
+        "sampled" (its sampled settings: no sampled section of their own)."""
         if raw is None:
             return cls()
-        subs = {"decode": {"without_lookup", "sampled", "devices"}, "device": {"without_lookup", "sampled"},
-                "sampled": {"without_lookup"}, "without_lookup": set()}[section]
-        allowed = {"tree", "threshold", "gate", "lookup"} | subs
+        subs = {"decode": {"sampled", "devices"}, "device": {"sampled"}, "sampled": set()}[section]
+        allowed = {"tree", "threshold", "gate", "lookup", "without_lookup"} | subs   # (without_lookup: dropped)
         if not isinstance(raw, dict) or set(raw) - allowed:
             raise ValueError(f"{where} must be a mapping of {', '.join(sorted(allowed))}")
         tree = raw.get("tree")
         if tree is not None and not isinstance(tree, (str, list)):
             raise ValueError(f"{where}'s tree must be a tree spec or a list of paths (got {tree!r})")
         lookup = _checked(raw.get("lookup", 0), "lookup", int)
-        if section == "without_lookup" and lookup != 0:
-            raise ValueError(f"{where} holds the settings with the lookup off: its lookup must be 0 (got {lookup})")
-        without, sampled, devices = raw.get("without_lookup"), raw.get("sampled"), raw.get("devices") or {}
+        sampled, devices = raw.get("sampled"), raw.get("devices") or {}
         if not isinstance(devices, dict) or not all(is_device_type(k) for k in devices):
             raise ValueError(f"{where}'s devices must map device types other than {HOME_DEVICE!r} (e.g. \"cuda\") "
                              f"to decode settings (got {devices!r})")
         return cls(tree=tree, threshold=_checked(raw.get("threshold", 0.0), "threshold", float),
                    gate=_checked(raw.get("gate", 0.0), "gate", float), lookup=lookup,
-                   without_lookup=None if without is None else
-                   cls.from_json(without, section="without_lookup", where=f"{where}'s without_lookup"),
                    sampled=None if sampled is None else cls.from_json(sampled, section="sampled", where=f"{where}'s sampled"),
                    devices=tuple((kind, cls.from_json(devices[kind], section="device", where=f"{where}'s {kind} settings"))
                                  for kind in sorted(devices)))
@@ -139,12 +132,11 @@ class DecodeSettings:
 
     @staticmethod
     def json_of(raw: dict) -> dict:
-        """``asdict``'s form -> config.json's: unset sub-sections (``without_lookup``, ``sampled``, ``devices``)
-        left out, devices as a mapping."""
-        out = {k: v for k, v in raw.items() if k not in ("without_lookup", "sampled", "devices")}
-        for key in ("without_lookup", "sampled"):
-            if raw.get(key) is not None:
-                out[key] = DecodeSettings.json_of(raw[key])
+        """``asdict``'s form -> config.json's: unset sub-sections (``sampled``, ``devices``) left out, devices
+        as a mapping."""
+        out = {k: v for k, v in raw.items() if k not in ("sampled", "devices")}
+        if raw.get("sampled") is not None:
+            out["sampled"] = DecodeSettings.json_of(raw["sampled"])
         if raw.get("devices"):
             out["devices"] = {kind: DecodeSettings.json_of(sub) for kind, sub in raw["devices"]}
         return out
@@ -169,14 +161,6 @@ class DecodeSettings:
     def measured_devices(self) -> tuple[str, ...]:
         """The device types with settings of their own besides the CPU's."""
         return tuple(kind for kind, _ in self.devices)
-
-    def for_lookup(self, lookup) -> "DecodeSettings":
-        """The settings "auto" reads when the user gives ``lookup``: ``without_lookup`` where they turn
-        off the lookup the pick uses (and tune-tree timed it off), else these."""
-        if self.without_lookup is not None and self.lookup > 0 and lookup not in AUTO and \
-                _checked(lookup, "lookup", int) == 0:
-            return self.without_lookup
-        return self
 
     def with_pick(self, picked: "DecodeSettings", *, sampled: bool) -> "DecodeSettings":
         """These settings with ``picked`` as the greedy pick (or, ``sampled``, the sampled one); the other kept."""
@@ -285,8 +269,7 @@ def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree
     """The settings a drafter runs with: each given value, else ("auto") the heads' tuned ``decode``
     value (``decode``: None for drafters without heads; ``device``: the type of device the model runs
     on, whose own settings are read where tune-tree measured some there; ``sampling``: the ``sampled``
-    settings where there are; with ``lookup=0``, their ``without_lookup`` settings where there are),
-    else the drafter's default. Values are checked as in :func:`check_settings`."""
+    settings where there are), else the drafter's default. Values are checked as in :func:`check_settings`."""
     check_settings(drafter, tree=tree, threshold=threshold, gate=gate, lookup=lookup)
     declared = DRAFTER_SETTINGS[drafter]
 
@@ -297,7 +280,7 @@ def resolve_settings(drafter: str, decode: DecodeSettings | None = None, *, tree
             return _checked(value, key, kind)
         return kind(getattr(decode, key)) if decode is not None else getattr(declared, key)
 
-    decode = decode.for_device(device).for_sampling(sampling).for_lookup(lookup) if decode is not None else None
+    decode = decode.for_device(device).for_sampling(sampling) if decode is not None else None
     tuned_tree = decode.tree if decode is not None else None
     return DrafterSettings(
         tree=None if declared.tree is None else (tree if tree not in AUTO else (tuned_tree or declared.tree)),

@@ -61,9 +61,9 @@ def d(tmp_path_factory) -> Path:
     trunc.write_bytes(trunc.read_bytes()[: trunc.stat().st_size // 2])
     _save_heads("medusa", model, str(tiny), root / "badcfg-medusa")
     (root / "badcfg-medusa" / "config.json").write_text('{"kind": "medusa", ')
-    cfg = _save_heads("medusa", model, str(tiny), root / "badoff-medusa") / "config.json"   # lookup-off pick that looks up
+    cfg = _save_heads("medusa", model, str(tiny), root / "badsampled-medusa") / "config.json"   # a sampled pick that is no tree
     raw = json.loads(cfg.read_text())
-    raw["decode"] = {"tree": "chain-2", "lookup": 8, "without_lookup": {"tree": "chain-3", "lookup": 4}}
+    raw["decode"] = {"tree": "chain-2", "lookup": 8, "sampled": {"tree": 5}}
     cfg.write_text(json.dumps(raw))
 
     (root / "good.jsonl").write_text('{"prompt": "w3 w4 w5"}\n{"prompt": "w6 w7"}\n')
@@ -130,8 +130,8 @@ CASES = [
     ("generate-heads-of-another-model", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/other-medusa"),
     ("generate-truncated-heads", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/trunc-medusa"),
     ("generate-invalid-heads-config", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/badcfg-medusa"),
-    ("generate-lookup-off-settings-that-look-up", "generate --model {d}/tiny --prompt w3 --drafter medusa "
-                                                  "--heads {d}/badoff-medusa --lookup 0"),
+    ("generate-sampled-settings-not-a-tree", "generate --model {d}/tiny --prompt w3 --drafter medusa "
+                                             "--heads {d}/badsampled-medusa"),
     ("generate-corpus-not-a-corpus", "generate --model {d}/tiny --prompt w3 --drafter lookup --corpus {d}/nodata"),
     ("generate-corpus-for-early-exit", "generate --model {d}/tiny --prompt w3 --drafter early-exit --corpus {d}/corpus"),
     ("generate-corpus-of-another-model", "generate --model {d}/tiny --prompt w3 --drafter lookup --corpus {d}/other-corpus"),

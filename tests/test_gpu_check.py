@@ -62,10 +62,9 @@ def test_wide_eagle_default_fills_the_largest_bucket():
     spec = importlib.util.spec_from_file_location("wide_eagle", ROOT / "scripts" / "wide_eagle.py")
     wide = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wide)
-    # 51 drafted nodes + 12 copied tokens + the root = 64 rows; without the lookup, 63 drafted nodes
+    # 51 drafted nodes + 12 copied tokens + the root = 64 rows
     decode = wide.wide_settings("default", 12, 64)
     assert (decode["tree"], decode["lookup"], decode["threshold"]) == ("dynamic-10-8-51", 12, 0.0)
-    assert (decode["without_lookup"]["tree"], decode["without_lookup"]["lookup"]) == ("dynamic-10-8-63", 0)
     assert wide.wide_settings("dynamic-5-4-8", 8, 64)["tree"] == "dynamic-5-4-8"
     with pytest.raises(ValueError, match="depth"):
         wide.wide_settings("dynamic-0-1-1", 8, 64)

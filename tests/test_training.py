@@ -336,35 +336,20 @@ def test_pick_prefers_the_best_drafting_then_the_cheapest_candidate_within_the_t
     assert pick([replace(big, speedup=1.30, tau=3.0), c("fast", 1.40, 4.0)], tolerance=0.05).spec == "fast"  # speed first
 
 
-def test_the_lookup_off_pick_is_kept_apart_and_used_only_when_the_user_turns_the_lookup_off():
+def test_lookup_0_reads_the_same_pick_with_the_lookup_off_and_an_older_second_pick_is_dropped():
     from selfspec.settings import resolve_settings
-    from selfspec.training.tune import Candidate, pick_settings
 
-    def c(name, speedup, rows, lookup, runs=12):
-        return Candidate(spec=name, size=int(rows), tokens_per_s=10 * speedup, tau=1.5, nodes_per_step=rows,
-                         speedup=speedup, lookup=lookup, runs=runs)
-
-    copy, wide, narrow = c("copy", 1.5, 3.0, 8, runs=24), c("wide", 1.3, 8.0, 0, runs=24), c("narrow", 1.1, 1.0, 0)
-    best, off = pick_settings([copy, wide, narrow], tolerance=0.03)
-    assert best is copy and off is wide          # each group's own finalists compete within it
-    assert pick_settings([wide, narrow]) == (wide, None)   # the pick does not copy: nothing apart to keep
-    assert pick_settings([copy]) == (copy, None)           # nothing without the lookup was timed
-    # In a config: only "lookup=0" (given, not "auto") reads the pick without the lookup; a given tree still wins.
-    decode = DecodeSettings(tree="chain-2", threshold=0.2, gate=0.5, lookup=8,
-                            without_lookup=DecodeSettings(tree="chain-4", threshold=0.05))
+    decode = DecodeSettings(tree="chain-2", threshold=0.2, gate=0.5, lookup=8)
     assert DecodeSettings.from_json(decode.to_json()) == decode
-    assert "without_lookup" not in decode.to_json()["without_lookup"] and "without_lookup" not in DecodeSettings().to_json()
     assert resolve_settings("medusa", decode) == resolve_settings("medusa", decode, lookup=8)
-    assert resolve_settings("medusa", decode).tree == "chain-2"
     off = resolve_settings("medusa", decode, lookup=0)
-    assert (off.tree, off.threshold, off.gate, off.lookup) == ("chain-4", 0.05, 0.0, 0)
-    assert resolve_settings("medusa", decode, lookup="0", tree="chain-1").tree == "chain-1"
-    assert resolve_settings("medusa", decode, lookup=4).tree == "chain-2"
-    for raw, match in (({"lookup": 8, "without_lookup": {"lookup": 4}}, "its lookup must be 0"),
-                       ({"lookup": 8, "without_lookup": {"without_lookup": {}}}, "must be a mapping"),
-                       ({"lookup": 8, "without_lookup": {"tree": 3}}, "tree must be a tree spec")):
-        with pytest.raises(ValueError, match=match):
-            DecodeSettings.from_json(raw)
+    assert (off.tree, off.threshold, off.gate, off.lookup) == ("chain-2", 0.2, 0.5, 0)   # one record: its lookup off
+    assert resolve_settings("medusa", decode, lookup="0", tree="chain-1").tree == "chain-1"   # a given tree still wins
+    # A record of an older tune-tree, which kept a second pick without the lookup: it reads, the second pick dropped.
+    old = DecodeSettings.from_json({**decode.to_json(), "without_lookup": {"tree": "chain-4", "lookup": 0}})
+    assert old == decode and "without_lookup" not in old.to_json()
+    with pytest.raises(ValueError, match="tree must be a tree spec"):
+        DecodeSettings.from_json({"lookup": 8, "tree": 3})
 
 
 def test_sampled_settings_are_what_auto_gives_a_sampled_generate(tmp_path):
@@ -372,21 +357,18 @@ def test_sampled_settings_are_what_auto_gives_a_sampled_generate(tmp_path):
     from selfspec.model import untrained_heads
     from selfspec.settings import resolve_settings
 
-    sampled = DecodeSettings(tree="chain-1", threshold=0.3, gate=0.0, lookup=4,
-                             without_lookup=DecodeSettings(tree="chain-2", threshold=0.1))
-    decode = DecodeSettings(tree="chain-3", threshold=0.0, lookup=8, without_lookup=DecodeSettings(tree="chain-4"),
-                            sampled=sampled)
+    sampled = DecodeSettings(tree="chain-1", threshold=0.3, gate=0.0, lookup=4)
+    decode = DecodeSettings(tree="chain-3", threshold=0.0, lookup=8, sampled=sampled)
     assert DecodeSettings.from_json(decode.to_json()) == decode
     assert "sampled" not in decode.to_json()["sampled"] and "sampled" not in DecodeSettings().to_json()
     assert resolve_settings("medusa", decode).tree == "chain-3"                       # greedy: the greedy pick
     on = resolve_settings("medusa", decode, sampling=True)
     assert (on.tree, on.threshold, on.lookup) == ("chain-1", 0.3, 4)                  # sampling: the sampled pick
     off = resolve_settings("medusa", decode, sampling=True, lookup=0)
-    assert (off.tree, off.threshold, off.lookup) == ("chain-2", 0.1, 0)               # and its own pick without lookup
+    assert (off.tree, off.threshold, off.lookup) == ("chain-1", 0.3, 0)               # the sampled pick, lookup off
     assert resolve_settings("medusa", decode, sampling=True, tree="chain-2").tree == "chain-2"   # given values win
     assert resolve_settings("medusa", replace(decode, sampled=None), sampling=True).tree == "chain-3"   # never timed
     for raw, match in (({"sampled": {"sampled": {}}}, "sampled must be a mapping"),
-                       ({"sampled": {"lookup": 8, "without_lookup": {"lookup": 2}}}, "its lookup must be 0"),
                        ({"sampled": {"tree": 5}}, "tree must be a tree spec")):
         with pytest.raises(ValueError, match=match):
             DecodeSettings.from_json(raw)
@@ -421,7 +403,7 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
     from selfspec.cli import main
     from selfspec.heads import SAMPLED_SEARCH_FILE, SEARCH_FILE, save_heads
     from selfspec.model import untrained_heads
-    from selfspec.training.tune import _record, _rule, pick_settings, tune_tree
+    from selfspec.training.tune import _record, _rule, pick, tune_tree
 
     torch.set_num_threads(1)
     model = tiny_model(seed=2)
@@ -434,15 +416,14 @@ def test_tune_tree_at_a_temperature_records_the_sampled_pick_beside_the_greedy_o
     _, cands, _ = tune_tree(model, heads, [], n_prompts=1, max_new_tokens=6, progress=False, prompts=prompts,
                             finalists=2, temperature=0.7)
     assert all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
-    search = {"prompts": "p.jsonl", "n_prompts": 1, "seed": 0, "finalists": 2, "finalists_by_lookup": True,
+    search = {"prompts": "p.jsonl", "n_prompts": 1, "seed": 0, "finalists": 2,
               "max_new_tokens": 6, "temperature": 0.7, "threads": 1, "candidates": [asdict(c) for c in cands]}
     config = read_heads_config(tmp_path / "e")
     assert _record(tmp_path / "e", config, cands, {**search, **_rule(0.03)}, sampled=True) == 0
     decode = read_heads_config(tmp_path / "e").decode
-    best, off = pick_settings(cands)
+    best = pick(cands)
     assert replace(decode, sampled=None) == greedy                   # the greedy pick stays
     assert (decode.sampled.tree, decode.sampled.threshold, decode.sampled.lookup) == (best.spec, best.threshold, best.lookup)
-    assert (decode.sampled.without_lookup is None) == (off is None)
     assert not (tmp_path / "e" / SEARCH_FILE).exists() and (tmp_path / "e" / SAMPLED_SEARCH_FILE).is_file()
     text = card(tmp_path / "e", None, None, "cpu")
     assert "## When sampling" in text and "sampled at temperature 0.7" in text
@@ -476,9 +457,8 @@ def test_settings_tuned_on_a_gpu_are_what_auto_reads_there_and_the_cpu_keeps_its
     assert all(1 + parse_dynamic_tree(t)["nodes"] + k <= BUCKETS[-1] for t, _, k in eagle_grid("cuda"))
     assert max(1 + parse_dynamic_tree(t)["nodes"] + k for t, _, k in EAGLE_WIDE) == BUCKETS[-1]
 
-    cpu = DecodeSettings(tree="chain-3", threshold=0.1, lookup=8, without_lookup=DecodeSettings(tree="chain-2"),
-                         sampled=DecodeSettings(tree="chain-1"))
-    gpu = DecodeSettings(tree="chain-6", lookup=12, without_lookup=DecodeSettings(tree="chain-5"))
+    cpu = DecodeSettings(tree="chain-3", threshold=0.1, lookup=8, sampled=DecodeSettings(tree="chain-1"))
+    gpu = DecodeSettings(tree="chain-6", lookup=12)
     decode = cpu.with_device("cuda", gpu)
     assert DecodeSettings.from_json(decode.to_json()) == decode and decode.to_json()["devices"]["cuda"]["tree"] == "chain-6"
     assert "devices" not in cpu.to_json() and decode.measured_devices() == ("cuda",)
@@ -487,7 +467,7 @@ def test_settings_tuned_on_a_gpu_are_what_auto_reads_there_and_the_cpu_keeps_its
     assert decode.with_pick(DecodeSettings(tree="chain-4"), sampled=False).for_device("cuda") == gpu
     # "auto" on each kind of device: its own settings (lookup off and sampling alike), else the CPU's.
     assert resolve_settings("medusa", decode, device="cuda").tree == "chain-6"
-    assert resolve_settings("medusa", decode, device="cuda", lookup=0).tree == "chain-5"
+    assert resolve_settings("medusa", decode, device="cuda", lookup=0).tree == "chain-6"
     assert resolve_settings("medusa", decode, device="cuda", sampling=True).tree == "chain-6"   # not timed sampled there
     assert resolve_settings("medusa", decode).tree == "chain-3" and resolve_settings("medusa", decode, device="mps").tree == "chain-3"
     assert resolve_settings("medusa", decode, device="cpu", sampling=True).tree == "chain-1"
@@ -515,7 +495,7 @@ def test_settings_tuned_on_a_gpu_are_what_auto_reads_there_and_the_cpu_keeps_its
     got = read_heads_config(tmp_path / "h").decode
     assert got.for_device("cpu") == cpu                                    # the CPU's settings untouched
     mine = got.for_device("cuda")
-    assert (mine.tree, mine.lookup, mine.without_lookup.tree) == ("chain-6", 12, "chain-5")
+    assert (mine.tree, mine.lookup) == ("chain-6", 12)
     assert mine.sampled == cpu.sampled   # the mode not timed there reads what it read before
     assert search_file(device="cuda") == "tune-tree-cuda.json" and search_file(sampled=True, device="cuda") == "tune-tree-cuda-sampled.json"
     assert not (tmp_path / "h" / SEARCH_FILE).exists() and (tmp_path / "h" / "tune-tree-cuda.json").is_file()
@@ -566,19 +546,17 @@ def test_tune_tree_recorded_chooses_again_from_the_recorded_timings(tmp_path, ca
     fp = config_fingerprint(model.config)
     config = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp).config
     assert config.decode.tree == [[0], [0, 0]] and config.decode.lookup == 8 and config.provenance == {"steps": 7}
-    assert config.decode.without_lookup == DecodeSettings(tree=[[0], [1], [0, 0]])   # the pick without the lookup
     assert "extra" not in json.loads(cfg_path.read_text())
-    assert json.loads(cfg_path.read_text())["decode"]["without_lookup"] == {"tree": [[0], [1], [0, 0]], "threshold": 0.0,
-                                                                            "gate": 0.0, "lookup": 0}
+    assert "without_lookup" not in json.loads(cfg_path.read_text())["decode"]   # one pick: lookup=0 runs it without
     tuned = load_heads(tmp_path / "h", expect_kind="medusa", fingerprint=fp)
-    for lookup, paths in (("auto", ((0,), (0, 0))), (8, ((0,), (0, 0))), (0, ((0,), (1,), (0, 0)))):
+    for lookup, paths in (("auto", ((0,), (0, 0))), (8, ((0,), (0, 0))), (0, ((0,), (0, 0)))):
         sm = SelfSpeculativeModel(model, None, drafter_name="medusa", heads=tuned, name="tiny", lookup=lookup)
         assert sm.drafter.tree.paths == paths and sm.drafter.lookup == (0 if lookup == 0 else 8)
     from selfspec.card import card
     from selfspec.training.tune import TAU_TOLERANCE
 
-    text = card(tmp_path / "h", None, None, "cpu")   # the model card names both picks
-    assert "lookup 8." in text and "With the lookup off (`lookup=0`" in text and "[(0,), (1,), (0, 0)]" in text
+    text = card(tmp_path / "h", None, None, "cpu")   # the model card names the pick
+    assert "lookup 8." in text and "[(0,), (0, 0)]" in text
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tolerance"] == 0.05
     assert json.loads((tmp_path / "h" / "tune-tree.json").read_text())["tau_tolerance"] == TAU_TOLERANCE
     assert "drafts best: the highest tau" in text          # the card states the rule the pick followed
@@ -955,10 +933,8 @@ def test_tune_tree_times_eagle_heads_on_given_prompts(tmp_path, capsys):
                                  prompts=prompts, finalists=3)
     assert acc is None and best == pick(cands) and len(cands) == len(EAGLE_GRID)
     # The second round re-timed at most 3 of the fastest on the prompt left over; the pick is one of them.
-    # Those with the lookup and those without are two groups, each with its own finalists.
     finalists = [c for c in cands if c.runs == 3]
-    for group in ([c for c in finalists if c.lookup > 0], [c for c in finalists if c.lookup == 0]):
-        assert 1 <= len(group) <= 3
+    assert 1 <= len(finalists) <= 3
     assert best in finalists and all(c.runs in (2, 3) for c in cands)
     assert {c.threshold for c in cands} > {0.0} and all(c.tau >= 1.0 and c.speedup > 0 for c in cands)
     with pytest.raises(ValueError, match="no prompts"):

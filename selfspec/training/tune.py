@@ -11,9 +11,8 @@ whose tree the heads expect fewer than ``gate`` tokens accepted from proposes no
 Medusa trees with context lookup (``lookup``: tokens copied from the context grafted on). The
 winner goes into the ``decode`` section of the heads' ``config.json`` (``tree`` / ``threshold`` /
 ``gate`` / ``lookup``, which the "auto" settings use), and every timed candidate into
-``tune-tree.json`` beside it (what ``--recorded`` re-picks from). Where the winner copies from the
-context, the candidates without the lookup are picked among too (their own finalists), and that
-pick goes into ``decode.without_lookup``: what "auto" gives a user who passes ``lookup=0``.
+``tune-tree.json`` beside it (what ``--recorded`` re-picks from). A user who passes ``lookup=0`` gets
+the same pick with the lookup off.
 With ``--temperature T`` the candidates and the plain reference decode sampled at T instead, and the
 picks go into ``decode.sampled`` (timings: ``tune-tree-sampled.json``), what "auto" gives a sampled
 ``generate``; the greedy ones stay (for a draft model, likewise in the pair's record).
@@ -314,19 +313,16 @@ def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first
                     tolerance: float, finalists: int, temperature: float = 0.0) -> list[Candidate]:
     """Time ``drafters`` (index 0: plain decoding; then one per ``grid`` row) on ``first``, then the
     ``finalists`` fastest of those within twice ``tolerance`` of the best again on ``second`` (with
-    plain decoding, interleaved as before); a finalist's numbers pool both rounds. Candidates with
-    the lookup and without it are two groups, each with its own finalists (``pick_settings`` picks
-    from each). Returns one ``Candidate`` per grid row."""
+    plain decoding, interleaved as before); a finalist's numbers pool both rounds. Returns one
+    ``Candidate`` per grid row."""
     runs, ratios = time_drafters(bb, drafters, first, max_new_tokens=max_new_tokens,
                                  repeats=repeats, progress=progress, temperature=temperature)
     cands = _candidates(grid, runs, ratios, size)
     if finalists <= 0 or not second:
         return cands
-    near = []
-    for group in _lookup_groups(cands):   # finalists with the lookup and without it: each group gets a pick
-        top = max(cands[i].speedup for i in group)
-        near += sorted((i for i in group if cands[i].speedup >= (1 - 2 * tolerance) * top),
-                       key=lambda i: -cands[i].speedup)[:finalists]
+    top = max(c.speedup for c in cands)
+    near = sorted((i for i, c in enumerate(cands) if c.speedup >= (1 - 2 * tolerance) * top),
+                  key=lambda i: -cands[i].speedup)[:finalists]
     more_runs, more_ratios = time_drafters(bb, [drafters[0]] + [drafters[i + 1] for i in near], second,
                                            max_new_tokens=max_new_tokens, repeats=repeats, progress=progress,
                                            temperature=temperature)
@@ -334,13 +330,6 @@ def time_candidates(bb: Backbone, drafters: list, grid: list[tuple], size, first
         runs[i + 1] += more_runs[j]
         ratios[i + 1] += more_ratios[j]
     return _candidates(grid, runs, ratios, size)
-
-
-def _lookup_groups(cands: list[Candidate]) -> list[list[int]]:
-    """Indices of the candidates that copy from the context (lookup > 0) and of those that do not;
-    empty groups left out."""
-    groups = ([i for i, c in enumerate(cands) if c.lookup > 0], [i for i, c in enumerate(cands) if c.lookup == 0])
-    return [g for g in groups if g]
 
 
 def _candidates(grid: list[tuple], runs: list[list[tuple]], ratios: list[list[float]], size) -> list[Candidate]:
@@ -379,14 +368,6 @@ def pick(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> Candid
 def _rule(tolerance: float) -> dict:
     """What a tune-tree record keeps of the rule its pick followed (``pick``; the model card states it)."""
     return {"tolerance": tolerance, "tau_tolerance": TAU_TOLERANCE}
-
-
-def pick_settings(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> tuple[Candidate, Candidate | None]:
-    """(the pick, the pick with the lookup off): ``pick`` over all candidates, and where that one copies
-    from the context, ``pick`` over those that do not (None when none was timed or the pick does not copy)."""
-    best = pick(cands, tolerance=tolerance)
-    off = [c for c in cands if c.lookup == 0]
-    return best, (pick(off, tolerance=tolerance) if best.lookup > 0 and off else None)
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -504,7 +485,6 @@ def run_tune(args) -> int:
     timed_on = {"prompts": Path(args.prompts).name, "n_prompts": min(args.prompts_n, len(prompts)), "seed": args.seed} \
         if prompts else {"held_out_prompts": min(args.prompts_n, len(seqs))}
     timed_on["finalists"] = args.finalists
-    timed_on["finalists_by_lookup"] = True   # finalists drawn with and without the lookup apart (time_candidates)
     corpus_note = None if corpus_dir is None else "auto (the shipped corpus)" if args.corpus == "auto" else str(corpus_dir)
     search = {**timed_on, "corpus": corpus_note, "max_new_tokens": args.max_new_tokens,
               **({"temperature": args.temperature} if args.temperature > 0 else {}),
@@ -575,19 +555,19 @@ def _run_tune_pair(args, loaded) -> int:
     return 0
 
 
-def _settings(c: Candidate, without_lookup: DecodeSettings | None = None) -> DecodeSettings:
+def _settings(c: Candidate) -> DecodeSettings:
     return DecodeSettings(tree=c.spec if isinstance(c.spec, str) else [list(p) for p in c.spec], threshold=c.threshold,
-                          gate=c.gate, lookup=c.lookup, without_lookup=without_lookup)
+                          gate=c.gate, lookup=c.lookup)
 
 
 def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled: bool = False,
             device: str = HOME_DEVICE) -> int:
-    """The picks (``pick_settings``) into the heads' ``decode`` settings for this kind of device (what
+    """The pick (``pick``) into the heads' ``decode`` settings for this kind of device (what
     "auto" reads there; ``sampled``: into its ``sampled`` settings, the greedy ones kept, and the other way
     round; other devices' kept) and the timings behind them into ``search_file``; the weights are not
     rewritten."""
-    best, off = pick_settings(cands, tolerance=search["tolerance"])
-    picked = _settings(best, None if off is None else _settings(off))
+    best = pick(cands, tolerance=search["tolerance"])
+    picked = _settings(best)
     # A first run on a kind of device starts from the CPU's settings: the mode it did not time reads what it read before.
     mine = config.decode.for_device(device)
     config.decode = config.decode.with_device(device, mine.with_pick(picked, sampled=sampled))
@@ -595,17 +575,15 @@ def _record(heads_dir, config, cands: list[Candidate], search: dict, *, sampled:
     write_heads_config(heads_dir, asdict(config))
     atomic_write_text(Path(heads_dir) / search_file(sampled=sampled, device=device),
                       json.dumps({**search, "device": device}, indent=1))
-    return _report_choice(heads_dir, best, off, sampled=sampled, device=device)
+    return _report_choice(heads_dir, best, sampled=sampled, device=device)
 
 
-def _report_choice(path: str, best: Candidate, off: Candidate | None = None, *, sampled: bool = False,
+def _report_choice(path: str, best: Candidate, *, sampled: bool = False,
                    device: str = HOME_DEVICE) -> int:
     shape = lambda c: c.spec if isinstance(c.spec, str) else f"{len(c.spec)}-node tree"  # noqa: E731
     where = "" if device == HOME_DEVICE else f" on {device}"
     print(f"tree=auto for {path}{where}{' when sampling' if sampled else ''} is now the {shape(best)}, threshold=auto "
           f"{best.threshold}, gate=auto {best.gate}, lookup=auto {best.lookup}")
-    if off is not None:
-        print(f"with lookup=0: the {shape(off)}, threshold=auto {off.threshold}, gate=auto {off.gate}")
     return 0
 
 
