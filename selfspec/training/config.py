@@ -9,8 +9,32 @@ from ..settings import DEFAULT_NUM_HEADS, DEFAULT_TOKEN_INPUT
 
 
 @dataclass
-class TrainConfig:
-    """Every training default; the CLI flags are derived from these fields."""
+class RunConfig:
+    """What every training run shares: the optimizer's schedule, batches, held-out split, checkpoints and
+    the feature cache. ``TrainConfig`` and ``DraftConfig`` add their own fields and defaults."""
+
+    steps: int = 2000                 # optimizer steps
+    lr: float = 1e-3
+    warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
+    weight_decay: float = 0.0
+    batch_size: int = 8               # sequences per micro-batch (per process)
+    grad_accum: int = 1               # micro-batches per optimizer step
+    max_len: int = 1024               # longer sequences keep their last max_len tokens
+    group_by_length: bool = False     # micro-batches of similar lengths (split.GROUP_BATCHES): far less padding, more peak memory
+    draft_vocab_size: int = 8192      # 0 = the full vocabulary
+    eval_fraction: float = 0.05       # held-out share of the sequences
+    eval_every: int = 200
+    save_every: int = 500
+    seed: int = 0
+    cache_features: bool = True       # one backbone pass up front, kept on disk; epochs then cost only what trains
+    feature_dtype: str = "float32"    # that pass's precision (eagle: its in-step target pass): float32 | bfloat16 (autocast)
+    save_dtype: str = "float32"       # storage dtype of the trained tensors
+    out: str = "heads-out"
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """Every train-heads default; the CLI flags are derived from these fields."""
 
     kind: str = "medusa"              # medusa | early-exit | eagle
     num_heads: int = DEFAULT_NUM_HEADS  # medusa
@@ -21,50 +45,19 @@ class TrainConfig:
     ttt_steps: int = 4                # eagle: draft steps unrolled per position in training (training-time test)
     shared_lm_head: bool = True       # eagle: score with the target's own LM-head rows, frozen (a smaller, cheaper head)
     loss_rows: str = "response"       # eagle: "response" rows only, or "all" (the prompt's too: the target's forward covers them anyway)
-    steps: int = 2000                 # optimizer steps
-    lr: float = 1e-3
-    warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
-    weight_decay: float = 0.0
-    batch_size: int = 8               # sequences per micro-batch (per process)
-    grad_accum: int = 1               # micro-batches per optimizer step
-    max_len: int = 1024               # longer sequences keep their last max_len tokens
-    group_by_length: bool = False     # micro-batches of similar lengths (split.GROUP_BATCHES): far less padding, more peak memory
-    draft_vocab_size: int = 8192      # 0 = the full vocabulary
     head_weight_base: float = 0.8     # medusa: head k's loss is scaled by base**k; eagle: unrolled step k's
     hard_weight: float = 0.0          # extra cross-entropy on the target's tokens (eagle: its top token)
-    eval_fraction: float = 0.05       # held-out share of the sequences
-    eval_every: int = 200
-    save_every: int = 500
-    seed: int = 0
     exit_adapter: str = "mlp"         # early-exit: "mlp" (residual MLP) or "layer" (decoder layer initialised from layer E)
     exit_intermediate: int = 0        # early-exit "mlp" width; 0 = the hidden size
-    cache_features: bool = True       # one backbone pass up front, kept on disk; epochs then cost only the heads
-    feature_dtype: str = "float32"    # that pass's precision (eagle: its in-step target pass): float32 | bfloat16 (autocast)
     mixed_precision: str = "auto"     # autocast of the training step: auto (bf16 on CUDA, none on CPU) | no | bf16
-    save_dtype: str = "float32"       # storage dtype of the heads' model.safetensors (float16 halves it; resume keeps float32)
     lora: int = 0                     # Medusa-2: LoRA rank on the backbone, trained jointly (CHANGES the model's output)
     init: str | None = None           # warm start: a heads directory whose weights and draft vocabulary this run starts from
-    out: str = "heads-out"
 
 
 @dataclass
-class DraftConfig:
-    """Every train-draft default; the CLI flags are derived from these fields (``--layers`` is separate)."""
+class DraftConfig(RunConfig):
+    """Every train-draft default (``--layers`` is separate): ``RunConfig``'s, with these differing."""
 
-    steps: int = 2000                 # optimizer steps
     lr: float = 3e-4                  # whole decoder layers, not fresh heads: gentler than train-heads
-    warmup: int = 50                  # linear warm-up steps, then cosine decay to 0
-    weight_decay: float = 0.0
-    batch_size: int = 8               # sequences per micro-batch (per process)
-    grad_accum: int = 1               # micro-batches per optimizer step
-    max_len: int = 1024               # longer sequences keep their last max_len tokens
-    group_by_length: bool = False     # micro-batches of similar lengths (split.GROUP_BATCHES): far less padding, more peak memory
-    draft_vocab_size: int = 8192      # 0 = the full vocabulary (loss only; the saved draft keeps the full LM head)
-    eval_fraction: float = 0.05       # held-out share of the sequences
-    eval_every: int = 200
-    save_every: int = 500
-    seed: int = 0
-    save_dtype: str = "float16"       # float16 | bfloat16: storage of the trained tensors
-    cache_features: bool = True       # the teacher's states from train-heads' shared on-disk feature cache
-    feature_dtype: str = "float32"    # precision of that one-off pass: float32 | bfloat16
+    save_dtype: str = "float16"       # float16 | bfloat16 (the saved draft keeps the full LM head; the vocabulary is the loss's)
     out: str = "draft-out"

@@ -32,7 +32,7 @@ from ..heads import KINDS
 from ..settings import default_exit_layer
 from .checkpoint import STATE_FILE, check_resumable, open_run
 from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
-from .config import TrainConfig
+from .config import RunConfig, TrainConfig
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, report_run, resolve_mixed_precision, run_hardware
 from .split import encode_rows, frequent_vocab, run_split, warm_split
@@ -248,7 +248,9 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              "cache_features": "one backbone pass up front, kept on disk (medusa, early-exit; eagle runs the target in each step)",
              "save_dtype": "float32 | float16 | bfloat16: storage dtype of model.safetensors (resume state stays float32)",
              "out": "output heads directory"}
-    for f in dataclasses.fields(TrainConfig):
+    shared = {f.name for f in dataclasses.fields(RunConfig)}
+    fields = dataclasses.fields(TrainConfig)
+    for f in [f for f in fields if f.name not in shared] + [f for f in fields if f.name in shared]:   # --kind first
         default = getattr(d, f.name)
         typ = {"int | None": int, "str | None": str}.get(str(f.type), type(default) if default is not None else int)
         help_ = "; ".join(x for x in (helps.get(f.name), None if default is None else f"default {default}") if x)
