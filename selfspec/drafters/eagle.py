@@ -586,11 +586,11 @@ class EagleDrafter(Drafter):
             0, torch.tensor(live, device=dev), torch.tensor(values, dtype=torch.long, device=dev))
 
     def _padded(self, live: list[int], rows: torch.Tensor, *xs: torch.Tensor, idle_slots: torch.Tensor) -> list[torch.Tensor]:
-        """The live rows' inputs (first dim R) placed at their rows ``live`` (``rows`` on the device) of the head cache; the idle rows
-        (finished sequences) get zeros, except their slots (``xs[0]``): ``idle_slots`` (n,), past anything
-        they will read."""
+        """The live rows' inputs (first dim R) placed at their rows ``live`` (``rows`` on the device) of the
+        head cache; the idle rows (finished sequences) get zeros, except their slots (``xs[0]``): ``idle_slots``
+        (n,), past anything they will read."""
         if live == list(range(self.cache.batch)):   # every row live, in order: nothing to pad
-            out, seen = [], set()                   # (a repeated input or a view is copied: no two inputs alias)
+            out, seen = [], set()   # (an input given twice, or not contiguous, is copied: the callers' are fresh)
             for x in xs:
                 out.append(x if x.is_contiguous() and id(x) not in seen else x.contiguous().clone())
                 seen.add(id(x))
