@@ -27,7 +27,7 @@ import torch
 
 from ..core.backbone import Backbone
 from ..core.decode import DecodeStats
-from ..runtime.clock import now
+from ..core.clock import now
 
 BASELINE = "hf-generate"
 # Old names still accepted on the command line: hf-generate was "hf-greedy" even when it sampled.

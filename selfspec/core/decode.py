@@ -8,7 +8,6 @@ greedy decoding; rejection sampling makes sampled output follow the target's dis
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -19,6 +18,7 @@ from . import cache as kv
 from .accept import Accepted, greedy_accept_rows, rejection_accept_tree
 from .backbone import Backbone
 from .cache import KVCache
+from .clock import now
 from .sampling import SamplingParams, probs_from_logits, sample, target_logits
 from .types import DecodeState, Draft, Drafter, Pace, TargetOut, VerifyStep, WidthFit, plain_draft
 
@@ -68,11 +68,6 @@ class DecodeStats:
         d = asdict(self)
         d.update(tau=self.tau, acceptance_by_depth=self.acceptance_by_depth, tokens_per_s=self.tokens_per_s)
         return d
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, capture: tuple[int, ...]):
@@ -316,8 +311,7 @@ def decode_rows(
     ``min_new_tokens`` new tokens, nor before the row's text (prompt included) is ``min_length`` long, as
     transformers' processors of those names rule. Returns (new tokens per row, stats summed over rows)."""
     B, dev, stats = len(prompts), backbone.device, DecodeStats()
-    _sync(dev)
-    t0 = time.perf_counter()
+    t0 = now(dev)
     if step is None:
         cache = kv.new_cache(B)
         verify = lambda live, pasts, drafts: verify_rows(backbone, cache, pasts, drafts,  # noqa: E731
@@ -378,8 +372,7 @@ def decode_rows(
             emit(b, toks)
         live = [b for b in live if not ended[b]]
 
-    _sync(dev)
-    stats.wall_s = time.perf_counter() - t0
+    stats.wall_s = now(dev) - t0
     stats.new_tokens = sum(len(x) for x in new)
     if step is not None:
         step.storage.release(cache)   # its kept buffers are free for the next decode (``cache.StaticStorage``)

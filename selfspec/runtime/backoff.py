@@ -29,7 +29,7 @@ from collections import deque
 
 import torch
 
-from .clock import now
+from ..core.clock import now
 
 
 class Backoff:

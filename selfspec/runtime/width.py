@@ -64,7 +64,7 @@ from ..core.decode import prefill_rows, verify_rows
 from ..core.tree import subtree, tree_from_parents
 from ..core.types import Draft
 from ..drafters.base import prior_path_p
-from .clock import now
+from ..core.clock import now
 from .static import BUCKETS, bucket
 
 if TYPE_CHECKING:

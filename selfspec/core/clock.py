@@ -1,4 +1,4 @@
-"""The one clock the runtime's measurements read."""
+"""The one clock: the decode's wall time and every measurement the runtime takes read it."""
 
 from __future__ import annotations
 
