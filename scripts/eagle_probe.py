@@ -52,16 +52,14 @@ def recording(drafter, seen: list) -> None:
     base = type(drafter)
 
     class Recording(base):
-        @classmethod
-        def draft_rows(cls, drafters, states):
-            drafts = base.draft_rows.__func__(cls, drafters, states)
-            cls.pending = [(d, s.params) for d, s in zip(drafts, states)]
+        def draft(self, states):
+            drafts = super().draft(states)
+            self.pending = [(d, s.params) for d, s in zip(drafts, states)]
             return drafts
 
-        @classmethod
-        def commit_rows(cls, drafters, states, accepted, outs):
-            seen.extend((d, params, out, acc) for (d, params), out, acc in zip(cls.pending, outs, accepted))
-            return base.commit_rows.__func__(cls, drafters, states, accepted, outs)
+        def commit(self, states, accepted, outs):
+            seen.extend((d, params, out, acc) for (d, params), out, acc in zip(self.pending, outs, accepted))
+            return super().commit(states, accepted, outs)
 
     drafter.__class__ = Recording
 

@@ -7,6 +7,8 @@ change a single token. Sampled rows must keep the target's distribution.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import chi2_check, hf_greedy, jitter, tiny_model
@@ -55,7 +57,10 @@ class RowOracle(Drafter):
         self.references, self.tree = references, build_tree(paths)
         self.steps = 0
 
-    def draft(self, state: DecodeState) -> Draft:
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
+        return [self._row(s) for s in states]
+
+    def _row(self, state: DecodeState) -> Draft:
         ref = next(r for r in self.references if r[: len(state.ids)] == state.ids)
         truth = ref[len(state.ids):] + [0] * (self.tree.depth + 1)
         self.steps += 1
@@ -174,24 +179,24 @@ def every_drafter(arch: str):
 
 @pytest.mark.parametrize("token_input", [True, False])
 def test_medusa_drafts_a_batch_in_one_call_exactly_as_row_by_row(token_input, one_thread):
-    """``MedusaDrafter.draft_rows`` (every row's heads in one call) gives each row the tree and tokens
-    its own ``draft`` gives, thresholds, gate and lookup included."""
-    import copy
-
+    """``MedusaDrafter.draft`` (every row's heads in one call) gives each row the tree and tokens it gets
+    drafted alone, thresholds, gate and lookup included."""
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("medusa", model, "t", token_input=token_input)
     g = jitter(heads.module, 0.5, seed=3)
-    first = MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=0.01, gate=0.1, lookup=3)
-    rows = [copy.copy(first) for _ in range(4)]
+    drafter = MedusaDrafter(bb, heads, build_tree(MEDUSA_DEFAULT), threshold=0.01, gate=0.1, lookup=3)
+    hidden = [torch.randn(model.config.hidden_size, generator=g) for _ in range(4)]
     states = []
-    for i, d in enumerate(rows):
-        d.hidden = torch.randn(model.config.hidden_size, generator=g)
+    for i in range(4):
         ids = torch.randint(3, 97, (9,), generator=g).tolist()
-        states.append(DecodeState(ids=ids + ids[2:5] if i % 2 else ids, cache=None, params=GREEDY, generator=None))
-    together = MedusaDrafter.draft_rows(rows, states)
-    for d, s, got in zip(rows, states, together):
-        alone = d.draft(s)
+        states.append(DecodeState(ids=ids + ids[2:5] if i % 2 else ids, cache=None, params=GREEDY, generator=None,
+                                  row=i))
+    drafter.hidden = list(hidden)
+    together = drafter.draft(states)
+    for s, h, got in zip(states, hidden, together):
+        drafter.hidden = [h]
+        alone = drafter.draft([DecodeState(ids=s.ids, cache=None, params=GREEDY, generator=None)])[0]
         assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
     assert len({t.tree.size for t in together}) > 1     # the rows' trees differ: the check is not vacuous
 
@@ -203,30 +208,29 @@ def _prefilled(bb, prompts, capture):
     cache = KVCache(len(prompts))
     outs = prefill_rows(bb, cache, prompts, capture=capture)
     return [DecodeState(ids=p.tolist() + [int(o.logits[-1].argmax())], cache=cache.row(b), params=GREEDY,
-                        generator=None) for b, (p, o) in enumerate(zip(prompts, outs))], outs
+                        generator=None, row=b) for b, (p, o) in enumerate(zip(prompts, outs))], outs
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.04])
 def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshold, one_thread):
-    """``EagleDrafter.draft_rows`` (each level of every row in one head call, on one batched head cache
+    """``EagleDrafter.draft`` (each level of every row in one head call, on one batched head cache
     whose rows have different lengths) gives each row the tree, tokens and path probabilities that the
     row drafting alone on its own cache gives; with a threshold, rows stop at different levels."""
-    import copy
-
     model = tiny_model("llama")
     bb = Backbone(model)
     heads = untrained_heads("eagle", model, "t")
     jitter(heads.module, 0.3, seed=5)
     prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
-    first = EagleDrafter(bb, heads, depth=4, expand=3, nodes=7, threshold=threshold, lookup=2, dtype=torch.float32)
-    states, outs = _prefilled(bb, prompts, first.capture_layers)
-    rows = [first] + [copy.copy(first) for _ in prompts[1:]]
-    EagleDrafter.begin_rows(rows, states, outs)
-    together = EagleDrafter.draft_rows(rows, states)
+    drafter = EagleDrafter(bb, heads, depth=4, expand=3, nodes=7, threshold=threshold, lookup=2, dtype=torch.float32)
+    alone_drafter = EagleDrafter(bb, heads, depth=4, expand=3, nodes=7, threshold=threshold, lookup=2,
+                                 dtype=torch.float32)
+    states, outs = _prefilled(bb, prompts, drafter.capture_layers)
+    drafter.begin(states, outs)
+    together = drafter.draft(states)
     for s, o, got in zip(states, outs, together):
-        alone_drafter = copy.copy(first)
-        alone_drafter.begin(s, o)
-        alone = alone_drafter.draft(s)
+        alone = dataclasses.replace(s, row=0)      # the row alone, on a head cache of its own
+        alone_drafter.begin([alone], [o])
+        alone = alone_drafter.draft([alone])[0]
         assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
         torch.testing.assert_close(got.path_p, alone.path_p)
     assert len({tuple(t.tokens.tolist()) for t in together}) == len(prompts)   # not vacuous: the rows differ
@@ -236,10 +240,9 @@ def test_eagle_drafts_a_batch_one_level_at_a_time_exactly_as_row_by_row(threshol
 
 @pytest.mark.parametrize("adapter", ["mlp", "layer"])
 def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_row(adapter, one_thread):
-    """``EarlyExitDrafter.draft_rows`` (one call of layers[0:E] and the exit head per chain step for every
+    """``EarlyExitDrafter.draft`` (one call of layers[0:E] and the exit head per chain step for every
     row still drafting, each row writing after its own slots) gives each row the tree, tokens and saved
     states it gets drafting alone; the confidence threshold stops rows at different depths."""
-    import copy
 
     model = tiny_model("llama", num_hidden_layers=6)
     bb = Backbone(model)
@@ -250,31 +253,29 @@ def test_early_exit_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_ro
 
     depths = set()
     for threshold in (0.0, 0.002, 0.005, 0.01):
-        first = EarlyExitDrafter(bb, heads, build_tree(chain_with_siblings(4, 2)), threshold=threshold)
+        tree = build_tree(chain_with_siblings(4, 2))
+        drafter, alone_drafter = (EarlyExitDrafter(bb, heads, tree, threshold=threshold) for _ in range(2))
         states, outs = start(prompts)
-        rows = [first] + [copy.copy(first) for _ in prompts[1:]]
-        EarlyExitDrafter.begin_rows(rows, states, outs)
-        together = EarlyExitDrafter.draft_rows(rows, states)
-        for p, got, row in zip(prompts, together, rows):
+        drafter.begin(states, outs)
+        together = drafter.draft(states)
+        for b, (p, got) in enumerate(zip(prompts, together)):
             (s,), (o,) = start([p])                     # the row alone, on its own cache
-            alone_drafter = copy.copy(first)
-            alone_drafter.begin(s, o)
-            alone = alone_drafter.draft(s)
+            alone_drafter.begin([s], [o])
+            alone = alone_drafter.draft([s])[0]
             assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
-            assert row.drafted == alone_drafter.drafted
+            assert drafter.drafted[b] == alone_drafter.drafted[0]
             torch.testing.assert_close(got.resume.hidden, alone.resume.hidden, atol=1e-5, rtol=1e-4)
             if adapter == "layer":                      # the adapter's cache row, drafted slots included
-                for mine, own in zip(row.adapter_cache.layer(0, row.row), alone_drafter.adapter_cache.layer(0)):
+                for mine, own in zip(drafter.adapter_cache.layer(0, b), alone_drafter.adapter_cache.layer(0)):
                     torch.testing.assert_close(mine, own, atol=1e-5, rtol=1e-4)
         depths.add(tuple(t.resume.hidden.shape[1] for t in together))
     assert any(len(set(d)) > 1 for d in depths)   # not vacuous: some threshold stopped rows at different depths
 
 
 def test_draft_model_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_row(one_thread):
-    """``DraftModelDrafter.draft_rows`` (the catch-up of every row's unseen tokens, ragged, in one draft
+    """``DraftModelDrafter.draft`` (the catch-up of every row's unseen tokens, ragged, in one draft
     forward, then one forward per chain step for every row still drafting) gives each row the chain it
     gets alone, and leaves each row's draft cache as the row alone leaves its own."""
-    import copy
 
     model = tiny_model("qwen2")
     bb = Backbone(model)
@@ -284,22 +285,21 @@ def test_draft_model_drafts_a_batch_one_chain_step_at_a_time_exactly_as_row_by_r
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5, 9))
-    states = [DecodeState(ids=p.tolist() + [int(p[-1]) % 90 + 3], cache=None, params=GREEDY, generator=None)
-              for p in prompts]
+    states = [DecodeState(ids=p.tolist() + [int(p[-1]) % 90 + 3], cache=None, params=GREEDY, generator=None, row=b)
+              for b, p in enumerate(prompts)]
     depths = set()
     for threshold in (0.0, 0.05, 0.1, 0.2):
-        first = DraftModelDrafter(draft, build_tree(chain(4)), vocab_size=bb.vocab_size, threshold=threshold,
-                                  dtype=torch.float32)
-        rows = [first] + [copy.copy(first) for _ in prompts[1:]]
-        DraftModelDrafter.begin_rows(rows, states, [None] * len(rows))
-        together = DraftModelDrafter.draft_rows(rows, states)
-        for s, got, row in zip(states, together, rows):
-            alone_drafter = copy.copy(first)
-            alone_drafter.begin(s, None)
-            alone = alone_drafter.draft(s)
+        drafter, alone_drafter = (DraftModelDrafter(draft, build_tree(chain(4)), vocab_size=bb.vocab_size,
+                                                    threshold=threshold, dtype=torch.float32) for _ in range(2))
+        drafter.begin(states, [None] * len(states))
+        together = drafter.draft(states)
+        for b, (s, got) in enumerate(zip(states, together)):
+            alone_state = DecodeState(ids=s.ids, cache=None, params=GREEDY, generator=None)
+            alone_drafter.begin([alone_state], [None])
+            alone = alone_drafter.draft([alone_state])[0]
             assert got.tree.paths == alone.tree.paths and torch.equal(got.tokens, alone.tokens)
-            assert (row.seen, row.fed) == (alone_drafter.seen, alone_drafter.fed)
-            for mine, own in zip(row.cache.layer(0, row.row), alone_drafter.cache.layer(0)):
+            assert (drafter.seen[b], drafter.fed[b]) == (alone_drafter.seen[0], alone_drafter.fed[0])
+            for mine, own in zip(drafter.cache.layer(0, b), alone_drafter.cache.layer(0)):
                 torch.testing.assert_close(mine, own, atol=1e-5, rtol=1e-4)
         depths.add(tuple(t.tree.size for t in together))
     assert any(len(set(d)) > 1 for d in depths)   # not vacuous: some threshold stopped rows at different depths
@@ -393,8 +393,8 @@ class ResumingOracle(RowOracle):
         super().__init__(references, paths)
         self.bb, self.exit_layer = bb, exit_layer
 
-    def draft(self, state: DecodeState) -> Draft:
-        d = super().draft(state)
+    def _row(self, state: DecodeState) -> Draft:
+        d = super()._row(state)
         m = 1 + (self.steps + len(state.ids)) % (d.tree.depth + 1)        # root + 0..depth chain drafts
         hidden = [self.bb.run_layers(self.bb.embed(d.tokens[j:j + 1]), start=0, end=self.exit_layer,
                                      position_ids=torch.tensor([[state.past_len + j]]), attention_mask=None,
@@ -428,14 +428,15 @@ def test_rows_resuming_at_the_exit_layer_keep_the_cache_exact(step, one_thread):
     seen, resumed = set(), []
 
     class Checked(ResumingOracle):
-        def draft(self, state):
-            d = super().draft(state)
+        def _row(self, state):
+            d = super()._row(state)
             resumed.append(d.resume.hidden.shape[1])
             return d
 
-        def commit(self, state, accepted, out):
-            seen.add(accepted.num_accepted)
-            _check_row_cache(bb, state)
+        def commit(self, states, accepted, outs):
+            for s, a in zip(states, accepted):
+                seen.add(a.num_accepted)
+                _check_row_cache(bb, s)
 
     drafter = Checked(bb, [p.tolist() + r for p, r in zip(prompts, ref)], chain_with_siblings(3, 2), exit_layer=2)
     # (rows, nodes) of every batched pass through layer 0: the eager verifier runs the 7-node trees'
@@ -466,11 +467,12 @@ def test_target_cache_rows_equal_a_fresh_forward_at_every_accepted_length(step, 
     seen, checks = set(), 0
 
     class Checked(RowOracle):
-        def commit(self, state, accepted, out):
+        def commit(self, states, accepted, outs):
             nonlocal checks
-            seen.add(accepted.num_accepted)
-            _check_row_cache(bb, state)
-            checks += 1
+            for s, a in zip(states, accepted):
+                seen.add(a.num_accepted)
+                _check_row_cache(bb, s)
+                checks += 1
 
     drafter = Checked([p.tolist() + r for p, r in zip(prompts, ref)],
                       ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)))

@@ -58,9 +58,8 @@ class GraftingEagle(EagleDrafter):
         super().__init__(*args, **kw)
         self.references, self.step = references, 0
 
-    @classmethod
-    def draft_rows(cls, drafters, states):
-        return [r._grafted(d, s) for r, d, s in zip(drafters, super().draft_rows(drafters, states), states)]
+    def draft(self, states):
+        return [self._grafted(d, s) for d, s in zip(super().draft(states), states)]
 
     def _grafted(self, d, state):
         j, self.step = self.step % 6, self.step + 1
@@ -97,17 +96,18 @@ def test_eagle_cache_rollback_matches_a_fresh_run_at_every_accepted_length(final
     seen, checks = set(), 0
     original_commit = drafter.commit
 
-    def checked_commit(state, accepted, out):
+    def checked_commit(states, accepted, outs):
         nonlocal checks
-        original_commit(state, accepted, out)
-        seen.add(accepted.num_accepted)
-        assert drafter.committed == state.past_len
+        original_commit(states, accepted, outs)
+        (state,), (a,) = states, accepted
+        seen.add(a.num_accepted)
+        assert drafter.committed == [state.past_len]
         fresh, root = _fresh_head_cache(bb, heads, state.ids)
         layer, mine = fresh.layer(0), drafter.cache.layer(0)
         assert mine[0].shape[-2] == state.past_len
         torch.testing.assert_close(mine[0], layer[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(mine[1], layer[1], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(drafter.root_state, root, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(drafter.root_state[0], root, atol=1e-5, rtol=1e-4)
         checks += 1
 
     drafter.commit = checked_commit
@@ -121,18 +121,17 @@ class CheckedEagle(GraftingEagle):
 
     accepted: set = set()
 
-    @classmethod
-    def commit_rows(cls, drafters, states, accepted, outs):
-        super().commit_rows(drafters, states, accepted, outs)
-        drafters[0]._flush()   # static and greedy, the commit runs with the next draft: run it now, to look
-        for d, s, a in zip(drafters, states, accepted):
-            cls.accepted.add(a.num_accepted)
-            assert d.committed == s.past_len
-            fresh, root = _fresh_head_cache(d.backbone, d.heads, s.ids)
-            for mine, own in zip(d.cache.layer(0, d.row), fresh.layer(0)):
+    def commit(self, states, accepted, outs):
+        super().commit(states, accepted, outs)
+        self._flush()   # static and greedy, the commit runs with the next draft: run it now, to look
+        for s, a in zip(states, accepted):
+            type(self).accepted.add(a.num_accepted)
+            assert self.committed[s.row] == s.past_len
+            fresh, root = _fresh_head_cache(self.backbone, self.heads, s.ids)
+            for mine, own in zip(self.cache.layer(0, s.row), fresh.layer(0)):
                 assert mine.shape[-2] == s.past_len
                 torch.testing.assert_close(mine, own, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(d.root_state, root, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(self.root_state[s.row], root, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -167,10 +166,9 @@ class LoggedEagle(EagleDrafter):
 
     log: list = []
 
-    @classmethod
-    def draft_rows(cls, drafters, states):
-        drafts = super().draft_rows(drafters, states)
-        cls.log.append([(d.tree.paths, d.tokens.tolist(), d.path_p) for d in drafts])
+    def draft(self, states):
+        drafts = super().draft(states)
+        type(self).log.append([(d.tree.paths, d.tokens.tolist(), d.path_p) for d in drafts])
         return drafts
 
 
@@ -349,16 +347,16 @@ class MarkovEagle(EagleDrafter):
         self.corpus = None
         self.log_threshold = torch.tensor(self.threshold).log().item() if self.threshold > 0 else -float("inf")
         self.depth, self.expand, self.nodes = kw["depth"], kw["expand"], kw["nodes"]
-        self.cache, self.row, self.committed = kv.new_cache(), 0, 0
+        self.cache, self.committed, self.dtype = kv.new_cache(), [0], torch.float32
 
-    def _run(self, feature, tokens, positions, mask=None, rows=None):
+    def _run(self, feature, tokens, positions, mask, rows):
         return F.one_hot(tokens, self.table.shape[0]).float()
 
     def _logits(self, states):
         return self.head.logits(states)
 
     def start(self, token: int):
-        self.root_state = F.one_hot(torch.tensor([[token]]), self.table.shape[0]).float()
+        self.root_state = [F.one_hot(torch.tensor([[token]]), self.table.shape[0]).float()]
         return self
 
     @property
@@ -394,12 +392,12 @@ def test_dynamic_tree_keeps_the_best_paths_of_hand_built_distributions():
         depth, expand, nodes = 2 + trial % 3, 2 + trial % 2, 3 + trial % 6
         drafter = MarkovEagle(table, depth=depth, expand=expand, nodes=nodes).start(0)
         state = DecodeState(ids=[5, 0], cache=None, params=GREEDY, generator=None)
-        d = drafter.draft(state)
+        (d,) = drafter.draft([state])
         assert _token_paths(d) == _reference_tree(table, 0, depth, expand, nodes)
         assert d.tree.size == nodes + 1 and bool((d.tree.parents[1:] < torch.arange(1, d.tree.size)).all())
     # A threshold cuts paths the draft gives less than that probability (and keeps a tree).
     drafter = MarkovEagle(table, depth=3, expand=2, nodes=8, threshold=0.05).start(0)
-    d = drafter.draft(DecodeState(ids=[5, 0], cache=None, params=GREEDY, generator=None))
+    (d,) = drafter.draft([DecodeState(ids=[5, 0], cache=None, params=GREEDY, generator=None)])
     probs = {p: torch.tensor([float(table[a, b]) for a, b in zip((0,) + p[:-1], p)]).prod() for p in _token_paths(d)}
     assert all(v >= 0.05 for v in probs.values())
 

@@ -33,7 +33,10 @@ class OracleDrafter(Drafter):
         self.reference, self.bad, self.vocab = reference, bad, vocab
         self.tree = build_tree(tree_paths)
 
-    def draft(self, state: DecodeState) -> Draft:
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
+        return [self._row(s) for s in states]
+
+    def _row(self, state: DecodeState) -> Draft:
         start = len(state.ids)
         truth = self.reference[start:] + [0] * (self.tree.depth + 1)
         tokens = [state.ids[-1]]

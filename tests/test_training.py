@@ -385,7 +385,7 @@ def test_sampled_settings_are_what_auto_gives_a_sampled_generate(tmp_path):
     assert sm.sampled_drafter.lookup == 0 and sm.drafters() == [sm.drafter, sm.sampled_drafter]
     used = []
     for d in sm.drafters():
-        d.draft_rows = (lambda real, d=d: lambda *a: used.append(d) or real(*a))(d.draft_rows)
+        d.draft = (lambda real, d=d: lambda *a: used.append(d) or real(*a))(d.draft)
     prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(7))
     assert torch.equal(sm.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12))
     assert used and all(d is sm.drafter for d in used)

@@ -7,7 +7,6 @@ greedy decoding; rejection sampling makes sampled output follow the target's dis
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -296,9 +295,8 @@ def decode_rows(
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
-    Each row drafts with its own copy of ``drafter`` (``Drafter.draft_rows``: one call for all rows
-    where the drafter batches, Medusa's heads and the eagle head's levels); one target pass
-    per step verifies every row's tree; each row accepts, commits and stops on its own, and a
+    ``drafter`` drafts for every live row in one call (``Drafter.draft``), holding each row's state
+    itself; one target pass per step verifies every row's tree; each row accepts, commits and stops on its own, and a
     finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
@@ -322,9 +320,8 @@ def decode_rows(
                                                          capture=drafter.capture_layers)
     drafter.use_step(step)
     drafter.use_cost(cost, None if step is None else B)
-    drafters = [drafter] + [copy.copy(drafter) for _ in range(B - 1)]
     states = [DecodeState(ids=p.tolist(), cache=cache.row(b), params=params, generator=generator,
-                          min_length=max(min_length, len(p) + min_new_tokens)) for b, p in enumerate(prompts)]
+                          min_length=max(min_length, len(p) + min_new_tokens), row=b) for b, p in enumerate(prompts)]
     outs = prefill_rows(backbone, cache, [p.to(dev) for p in prompts], capture=drafter.capture_layers)
     new: list[list[int]] = [[] for _ in range(B)]
     ended = [False] * B
@@ -344,7 +341,7 @@ def decode_rows(
         first = int(last.argmax()) if not params.do_sample else int(sample(probs_from_logits(last, params), generator))
         s.ids.append(first)
         emit(b, [first])
-    drafter.begin_rows(drafters, states, outs)
+    drafter.begin(states, outs)
     if pace is not None:
         pace.start()
     stats.target_forwards = 1
@@ -352,15 +349,15 @@ def decode_rows(
 
     while live:
         live = _shrink(cache, states, live) if step is None else live
-        rows, live_drafters = [states[b] for b in live], [drafters[b] for b in live]
+        rows = [states[b] for b in live]
         drafting = pace is None or pace.draft_now()                                  # (or a plain step: no pay)
-        drafts = drafter.draft_rows(live_drafters, rows) if drafting else [plain_draft(s, dev) for s in rows]  # DRAFT
+        drafts = drafter.draft(rows) if drafting else [plain_draft(s, dev) for s in rows]   # DRAFT
         if cost is not None:                                                        # (the width worth verifying)
             drafts = cost.fit(drafts, drafter.max_nodes, rows=None if step is None else B)
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
         accepted = accept_rows(drafts, outs, params, generator, rows, eos_token_ids)  # ACCEPT
         committed = commit_rows(cache, rows, accepted)                               # COMMIT
-        drafter.commit_rows(live_drafters, rows, accepted, outs)                    # (each row's drafter state)
+        drafter.commit(rows, accepted, outs)                                         # (the drafter's row state)
         if cost is not None:
             cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts))
         if pace is not None:

@@ -1,8 +1,8 @@
 """The step types every part of the loop speaks, and the contract every drafter keeps.
 
-Per step the loop asks the drafter for a ``Draft`` per row (a tree of candidate tokens, root = the
+Per step the loop asks the drafter for a ``Draft`` per live row (a tree of candidate tokens, root = the
 pending token), verifies every row's tree in one target pass (a ``TargetOut`` per row), accepts a path
-per row (``accept.Accepted``) and commits it; the drafter then updates its state (``Drafter.commit_rows``).
+per row (``accept.Accepted``) and commits it; the drafter then updates its per-row state (``Drafter.commit``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class DecodeState:
     params: SamplingParams
     generator: torch.Generator | None
     min_length: int = 0    # the row may not end (emit EOS) before its text is this long (min_new_tokens, min_length)
+    row: int = 0           # the row's place in the batch: where a drafter keeps its state (``Drafter``)
 
     @property
     def past_len(self) -> int:
@@ -67,7 +68,10 @@ class TargetOut:
 
 
 class Drafter:
-    """Subclasses implement ``draft``; the hooks default to doing nothing."""
+    """The contract every drafter keeps, batched: ``begin`` once for a decode's rows, then per step ``draft``
+    for the live rows and ``commit`` of what they accepted. A drafter holds its per-row state itself, as
+    lists or tensors indexed by ``DecodeState.row`` (a row's place in the batch, fixed for the decode; a
+    finished row is simply not asked again). Subclasses implement ``draft``; the hooks default to nothing."""
 
     name: str = "?"
     heads = None  # a heads.Heads for drafters with trainable heads
@@ -93,37 +97,20 @@ class Drafter:
         will run, greedy or ``sampled`` (a benchmark's warm-up calls it, so that no compilation falls in a
         timed run)."""
 
-    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        """Called once after prefill; ``prefill.hidden[-1]`` produced the pending token."""
+    def begin(self, states: list[DecodeState], prefills: list[TargetOut]) -> None:
+        """Called once after prefill with every row of the batch (``states[b].row == b``);
+        ``prefills[b].hidden[-1]`` produced row b's pending token. Resets whatever a last decode left."""
 
-    @classmethod
-    def begin_rows(cls, drafters: list["Drafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
-        """``begin`` for a batch: ``drafters[i]`` (a copy per row) begins row i. Row by row here; a drafter
-        whose rows share batched state (the eagle head's cache) overrides it."""
-        for d, s, out in zip(drafters, states, prefills):
-            d.begin(s, out)
-
-    def draft(self, state: DecodeState) -> Draft:
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
+        """One step's drafts for the live rows ``states`` (in row order), one call for all of them. A
+        sampling drafter draws its candidates in a fixed order (stage by stage, row order within a
+        stage), so that a batch consumes the generator as the loop expects."""
         raise NotImplementedError
 
-    @classmethod
-    def draft_rows(cls, drafters: list["Drafter"], states: list[DecodeState]) -> list[Draft]:
-        """One step's drafts for a batch: ``drafters[i]`` (a copy per row, holding that row's state)
-        drafts ``states[i]``. Row by row here; a drafter whose model calls batch well overrides it
-        with one call for all rows (Medusa), drawing each row's candidates in row order as the loop
-        would, so sampling consumes the generator alike."""
-        return [d.draft(s) for d, s in zip(drafters, states)]
-
-    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
-        """Called after the target committed ``accepted``; ``state`` is already updated."""
-
-    @classmethod
-    def commit_rows(cls, drafters: list["Drafter"], states: list[DecodeState], accepted: list[Accepted],
-                    outs: list[TargetOut]) -> None:
-        """``commit`` for a batch, row by row here; a drafter whose rows share batched state (the eagle
-        head's cache) overrides it with one call for all rows."""
-        for d, s, a, out in zip(drafters, states, accepted, outs):
-            d.commit(s, a, out)
+    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
+        """Called after the target committed each live row's ``accepted`` path (``states`` already updated;
+        ``outs``: each row's verification output). A step the runtime did not draft (``plain_draft``) is
+        committed too."""
 
 
 def plain_draft(state: DecodeState, device: torch.device) -> Draft:

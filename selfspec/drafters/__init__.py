@@ -23,8 +23,8 @@ class NoDrafter(Drafter):
         self.tree = build_tree((), str(device))
         self.device = device
 
-    def draft(self, state: DecodeState) -> Draft:
-        return plain_draft(state, self.device)
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
+        return [plain_draft(s, self.device) for s in states]
 
 
 DRAFTERS: dict[str, type[Drafter]] = {

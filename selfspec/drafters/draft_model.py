@@ -5,7 +5,7 @@ The draft model keeps its own KV cache (a ``cache.KVCache``), run layer by layer
 committed tokens; each step it first catches up on the tokens it has not seen (the pending
 token, plus the last draft when the whole chain was accepted), then drafts k - 1 more.
 
-A batch (``begin_rows``, ``draft_rows``): the rows' draft caches are the rows of one batched cache,
+A batch: the rows' draft caches are the rows of one batched cache,
 each at its own length; the catch-up of every row (ragged: padded, the padding cut off after) and
 each chain step of every row still drafting run in one draft forward. Every row gets the chain it
 would get alone.
@@ -84,10 +84,9 @@ class DraftModelDrafter(Drafter):
         self.tree = tree
         self.vocab_size = vocab_size
         self.threshold = check_threshold(threshold)
-        self.cache = kv.new_cache()   # the draft's KV cache: this drafter's own, or a batch's (begin_rows)
-        self.row = 0                  # this drafter's row of ``cache``
-        self.seen = 0  # tokens of state.ids in self.cache
-        self.fed = 0   # drafted tokens fed to the cache in the last step
+        self.cache = kv.new_cache()   # the draft's KV cache, a row per batch row (``begin``)
+        self.seen: list[int] = []     # per row: tokens of its ids in its row of ``cache``
+        self.fed: list[int] = []      # per row: drafted tokens fed to the cache in the last step
         subset = getattr(draft_model.config, "selfspec_draft_vocab", None)
         w = self.model.get_output_embeddings().weight
         self.vocab = None if subset is None else torch.as_tensor(subset, dtype=torch.long, device=w.device)
@@ -100,56 +99,43 @@ class DraftModelDrafter(Drafter):
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
 
-    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        self.cache, self.row, self.seen = kv.new_cache(), 0, 0
-
-    @classmethod
-    def begin_rows(cls, drafters: list["DraftModelDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+    def begin(self, states: list[DecodeState], prefills: list[TargetOut]) -> None:
         """The rows' draft caches are the rows of one batched cache (one draft forward per step for all rows)."""
-        shared = kv.new_cache(len(drafters))
-        for b, d in enumerate(drafters):
-            d.cache, d.row, d.seen = shared, b, 0
+        self.cache, self.seen, self.fed = kv.new_cache(len(states)), [0] * len(states), [0] * len(states)
 
-    def _forward(self, drafters: list["DraftModelDrafter"], feeds: list[list[int]]) -> torch.Tensor:
+    def _forward(self, rows: list[int], feeds: list[list[int]]) -> torch.Tensor:
         """Feed each row's ids after its seen prefix, all rows in one call -> (R, V) logits for each row's
         next token (V_draft with a draft vocabulary). Rows padded to the longest feed, each query masked
         to its own row's slots (causal); the padding slots are cut off after."""
-        bb, dev, R = self.backbone, self.device, len(drafters)
+        bb, dev, R = self.backbone, self.device, len(rows)
         n = [len(f) for f in feeds]
         N = max(n)
-        past = torch.tensor([d.seen for d in drafters], device=dev)
+        past = torch.tensor([self.seen[b] for b in rows], device=dev)
         x = torch.tensor([f + [0] * (N - len(f)) for f in feeds], device=dev)
         pos = past[:, None] + torch.arange(N, device=dev)
         mask = None   # one row: one query sees its whole cache, and n queries on an empty cache are plain causal
-        if R > 1 or (N > 1 and int(past[0]) > 0):
-            visible = torch.arange(int(past.max()) + N, device=dev)[None, None, :] <= pos[:, :, None]
+        if R > 1 or (N > 1 and self.seen[rows[0]] > 0):
+            visible = torch.arange(max(self.seen[b] for b in rows) + N, device=dev)[None, None, :] <= pos[:, :, None]
             mask = additive_mask(visible, bb.dtype)                                      # (R, 1, N, T)
         h = bb.run_layers(bb.embed_tokens(x), start=0, end=bb.num_layers, position_ids=pos, attention_mask=mask,
-                          cache=self.cache.rows([d.row for d in drafters]))
-        for d, m in zip(drafters, n):
-            d.seen += m
-            d.cache.row(d.row).truncate(d.seen)
+                          cache=self.cache.rows(rows))
+        for b, m in zip(rows, n):
+            self.seen[b] += m
+            self.cache.row(b).truncate(self.seen[b])
         last = h[torch.arange(R, device=dev), torch.tensor(n, device=dev) - 1]             # (R, H)
         return self.project(bb.final_norm(last)).float()
 
     @torch.no_grad()
-    def draft(self, state: DecodeState) -> Draft:
-        return self.draft_rows([self], [state])[0]
-
-    @classmethod
-    @torch.no_grad()
-    def draft_rows(cls, drafters: list["DraftModelDrafter"], states: list[DecodeState]) -> list[Draft]:
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
         """Every row's chain, one draft forward per chain step for all rows still drafting (candidates
         are drawn depth by depth, in row order within a depth)."""
-        return drafters[0]._chains(drafters, states)
-
-    def _chains(self, drafters: list["DraftModelDrafter"], states: list[DecodeState]) -> list[Draft]:
         k, R = self.tree.depth, len(states)
-        z = self._forward(drafters, [s.ids[d.seen:] for d, s in zip(drafters, states)])    # catch up: (R, V)
+        rows = [s.row for s in states]
+        z = self._forward(rows, [s.ids[self.seen[s.row]:] for s in states])              # catch up: (R, V)
         drawn = [[] for _ in range(R)]                  # per row: candidates of each depth drafted
         chain_conf = [1.0] * R
-        for d in drafters:
-            d.fed = 0
+        for b in rows:
+            self.fed[b] = 0
         active = list(range(R))
         for j in range(k):
             cand = row_candidates(z, 1, vocab=self.vocab, vocab_size=self.vocab_size, state=states[0])
@@ -163,9 +149,9 @@ class DraftModelDrafter(Drafter):
             active = still
             if not active:
                 break
-            z = self._forward([drafters[b] for b in active], [[int(drawn[b][-1][0][0, 0])] for b in active])
+            z = self._forward([rows[b] for b in active], [[int(drawn[b][-1][0][0, 0])] for b in active])
             for b in active:
-                drafters[b].fed += 1
+                self.fed[rows[b]] += 1
         return [self._draft_from(s, c) for s, c in zip(states, drawn)]
 
     def _draft_from(self, state: DecodeState, drawn: list) -> Draft:
@@ -178,10 +164,11 @@ class DraftModelDrafter(Drafter):
         q = torch.cat([c[1] for c in drawn]) if state.params.do_sample else None
         return Draft(tree=tree, tokens=tokens, q=q)
 
-    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
         # The cache saw the old pending token and the drafts fed this step; accepted drafts stay valid.
         # A step it did not draft (a plain step of the back-off) fed nothing: the cache stays where it was.
-        row = self.cache.row(self.row)
-        valid = min(len(state.ids) - 1 - accepted.num_accepted + min(accepted.num_accepted, self.fed), row.get_seq_length())
-        row.truncate(valid)
-        self.seen, self.fed = valid, 0
+        for s, a in zip(states, accepted):
+            row = self.cache.row(s.row)
+            valid = min(len(s.ids) - 1 - a.num_accepted + min(a.num_accepted, self.fed[s.row]), row.get_seq_length())
+            row.truncate(valid)
+            self.seen[s.row], self.fed[s.row] = valid, 0

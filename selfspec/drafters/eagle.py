@@ -30,8 +30,7 @@ with its parent's r-th largest probability instead of its own, and the tree keep
 ``expand`` best of each level (a beam, ``expand`` x ``depth`` nodes): every kept set is then
 decided by the parents' distributions alone. ``Draft.q_index`` names each node's row.
 
-A batch (``begin_rows``, ``draft_rows``, ``commit_rows``): the rows' head caches are the rows of one
-batched cache, each at its own length; each level of every row's tree runs in one head call (a row
+A batch: the rows' head caches are the rows of one batched cache, each at its own length; each level of every row's tree runs in one head call (a row
 whose best path fell below the threshold sits that level out), and so do every row's accepted slots
 after a step (paths of different lengths padded, the padding cut off). Every row gets the tree it
 would get alone.
@@ -125,13 +124,10 @@ class EagleDrafter(Drafter):
         self.capture_layers = aux
         # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
         self.project = functools.partial(F.linear, weight=self.head.lm_head.weight)
-        self.cache = kv.new_cache()                    # the head's KV cache: this drafter's own, or a batch's (begin_rows)
-        self.row = 0                                   # this drafter's row of ``cache``
-        self.committed = 0                             # head cache slots that hold committed tokens
-        self.root_state: torch.Tensor | None = None    # (1, 1, H) output of the last committed slot
-        # Static: the last step's commit, left to the next draft's one call (``_commit_static``); the rows' own
-        self._pending: list = []
-        self._rows: list["EagleDrafter"] = [self]      # every row's drafter of this decode (``begin_rows``)
+        self.cache = kv.new_cache()                    # the head's KV cache, a row per batch row (``begin``)
+        self.committed: list[int] = []                 # per row: head cache slots that hold committed tokens
+        self.root_state: list[torch.Tensor | None] = []   # per row: (1, 1, H) output of its last committed slot
+        self._pending: list = []   # static: the last step's commit, left to the next draft's one call (``_commit_static``)
 
     @property
     def max_nodes(self) -> int:
@@ -152,89 +148,68 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor | None = None, rows: list[int] | None = None) -> torch.Tensor:
+             mask: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
         """Slots for ``tokens`` (R, n) at ``positions`` (R, n) reading ``feature`` (R, n, H), appended to
-        rows ``rows`` of the head cache (default: this drafter's) -> (R, n, H) output states. positions may
-        be the rotary (cos, sin) of those positions instead, (R, n, head_dim) each."""
+        rows ``rows`` of the head cache -> (R, n, H) output states. positions may be the rotary (cos, sin)
+        of those positions instead, (R, n, head_dim) each."""
         bb = self.backbone
         emb = bb.embed(tokens.reshape(-1)).view(*tokens.shape, -1)
         rope = positions if isinstance(positions, tuple) else bb.rotary_emb(feature, position_ids=positions)
         return self.head(feature, emb.to(self.dtype), position_embeddings=rope,
-                         cache=self.cache.rows([self.row] if rows is None else rows), attention_mask=mask)
+                         cache=self.cache.rows(rows), attention_mask=mask)
 
-    def _fill(self, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
-        """Committed slots start.. from the target's features at ``nodes`` of a pass; tokens: the next token of each."""
+    def _fill(self, row: int, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
+        """Row ``row``'s committed slots start.. from the target's features at ``nodes`` of a pass; tokens:
+        the next token of each."""
         feature = self.head.fuse(torch.cat([c[:, nodes] for c in captured], dim=-1).to(self.dtype))
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)[None]
-        states = self._run(feature, tokens[None], positions)
-        self.root_state = states[:, -1:]
-        self.committed = start + tokens.shape[0]
-
-    def _start(self, state: DecodeState, prefill: TargetOut) -> None:
-        P = state.past_len                       # prompt positions 0..P-1; ids[P] is pending
-        ids = torch.tensor(state.ids[1:P + 1], device=self.backbone.device)
-        self._fill(prefill.captured, slice(None), ids, 0)
+        states = self._run(feature, tokens[None], positions, None, [row])
+        self.root_state[row] = states[:, -1:]
+        self.committed[row] = start + tokens.shape[0]
 
     @torch.no_grad()
-    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        self.begin_rows([self], [state], [prefill])
-
-    @classmethod
-    @torch.no_grad()
-    def begin_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+    def begin(self, states: list[DecodeState], prefills: list[TargetOut]) -> None:
         """The rows' head caches are the rows of one batched cache, so that a draft level runs all rows in one
         call; a static one (``use_step``) holds the target's static capacity plus one step's head slots."""
-        first = drafters[0]
-        for d in drafters:   # the last decode's head cache is done with: its kept buffers are free again
-            if first.static_step is not None and d.cache is not None:
-                first._head_storage.release(d.cache)
-            d.cache = None
-        shared = kv.new_cache(len(drafters)) if first.static_step is None else \
-            first._head_storage.cache(len(drafters), first._head_capacity())
-        pending = []
-        for b, (d, s, out) in enumerate(zip(drafters, states, prefills)):
-            d.cache, d.row, d._pending, d._rows = shared, b, pending, drafters
-            d._start(s, out)
+        if self.static_step is not None and self.cache is not None:
+            self._head_storage.release(self.cache)   # the last decode's: its kept buffers are free again
+        B = len(states)
+        self.cache = kv.new_cache(B) if self.static_step is None else self._head_storage.cache(B, self._head_capacity())
+        self.committed, self.root_state, self._pending = [0] * B, [None] * B, []
+        for s, out in zip(states, prefills):
+            P = s.past_len                       # prompt positions 0..P-1; ids[P] is pending
+            self._fill(s.row, out.captured, slice(None), torch.tensor(s.ids[1:P + 1], device=self.backbone.device), 0)
 
     @torch.no_grad()
-    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
-        if self.static_step is not None:
-            return self._commit_static([self], [state], [accepted], [out])
-        start = self.committed
-        self.cache.row(self.row).truncate(start)    # drop this step's speculative slots
-        nxt = torch.tensor(state.ids[start + 1: state.past_len + 1], device=self.backbone.device)
-        self._fill(out.captured, list(accepted.path), nxt, start)
-
-    @classmethod
-    @torch.no_grad()
-    def commit_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState], accepted: list[Accepted],
-                    outs: list[TargetOut]) -> None:
+    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
         """Every row's accepted slots in one head call: rows padded to the longest path, each row's
         queries masked to its own committed slots and its new ones (causal), the padding cut off after."""
-        first = drafters[0]
-        if first.static_step is not None:
-            return first._commit_static(drafters, states, accepted, outs)
-        if len(drafters) == 1 or any(d.cache is not first.cache for d in drafters):
-            return super().commit_rows(drafters, states, accepted, outs)
-        dev, R = first.backbone.device, len(drafters)
-        starts = torch.tensor([d.committed for d in drafters], device=dev)
+        if self.static_step is not None:
+            return self._commit_static(states, accepted, outs)
+        dev = self.backbone.device
+        if len(states) == 1:
+            (s,), (a,), (out,) = states, accepted, outs
+            start = self.committed[s.row]
+            self.cache.row(s.row).truncate(start)    # drop this step's speculative slots
+            nxt = torch.tensor(s.ids[start + 1: s.past_len + 1], device=dev)
+            return self._fill(s.row, out.captured, list(a.path), nxt, start)
+        R, rows = len(states), [s.row for s in states]
+        starts = [self.committed[b] for b in rows]
         sizes = [len(a.path) for a in accepted]
         N = max(sizes)
-        feature = torch.zeros(R, N, sum(c.shape[-1] for c in outs[0].captured), dtype=first.dtype, device=dev)
+        feature = torch.zeros(R, N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
         tokens = torch.zeros(R, N, dtype=torch.long, device=dev)
-        for b, (d, s, a, out) in enumerate(zip(drafters, states, accepted, outs)):
-            d.cache.row(d.row).truncate(d.committed)                  # drop this step's speculative slots
-            feature[b, : sizes[b]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(first.dtype)
-            tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
-        positions = starts[:, None] + torch.arange(N, device=dev)
-        T = max(d.committed for d in drafters) + N
-        visible = torch.arange(T, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
-        run = first._run(first.head.fuse(feature), tokens, positions, additive_mask(visible, first.dtype),
-                         rows=[d.row for d in drafters])
-        for b, d in enumerate(drafters):
-            d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
-            d.cache.row(d.row).truncate(d.committed)                  # the padding slots of shorter paths
-            d.root_state = run[b: b + 1, sizes[b] - 1: sizes[b]]
+        for i, (s, a, out) in enumerate(zip(states, accepted, outs)):
+            self.cache.row(s.row).truncate(starts[i])                 # drop this step's speculative slots
+            feature[i, : sizes[i]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(self.dtype)
+            tokens[i, : sizes[i]] = torch.tensor(s.ids[starts[i] + 1: s.past_len + 1], device=dev)
+        positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
+        visible = torch.arange(max(starts) + N, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
+        run = self._run(self.head.fuse(feature), tokens, positions, additive_mask(visible, self.dtype), rows)
+        for i, b in enumerate(rows):
+            self.committed[b] += sizes[i]
+            self.cache.row(b).truncate(self.committed[b])            # the padding slots of shorter paths
+            self.root_state[b] = run[i: i + 1, sizes[i] - 1: sizes[i]]
 
     # ------------------------------------------------------------------ drafting
     def _candidates(self, logits: torch.Tensor, state: DecodeState):
@@ -251,30 +226,22 @@ class EagleDrafter(Drafter):
         return cand, score, q
 
     @torch.no_grad()
-    def draft(self, state: DecodeState) -> Draft:
-        return self.draft_rows([self], [state])[0]
-
-    @classmethod
-    @torch.no_grad()
-    def draft_rows(cls, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
-        """Every row's tree, each level of all rows in one head call (the row copies share the head and,
-        after ``begin_rows``, one batched cache). Rows draw their candidates level by level, in row order
-        within a level (the generator is consumed in that order, not row after row)."""
-        return drafters[0]._grow(drafters, states)
-
-    def _grow(self, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
         """Every row's tree: each level of all rows in one head call, then the cut (``_cut``), as tensor ops
-        on the model's device. Nothing is read back to the host unless a threshold is set or width fitting
-        prices each level (``use_cost``): then one read of the level's scores per level, for all rows."""
-        dev, k, R = self.backbone.device, self.expand, len(drafters)
+        on the model's device. Rows draw their candidates level by level, in row order within a level (the
+        generator is consumed in that order, not row after row). Nothing is read back to the host unless a
+        threshold is set or width fitting prices each level (``use_cost``): then one read of the level's
+        scores per level, for all rows."""
+        dev, k, R = self.backbone.device, self.expand, len(states)
         sampling = states[0].params.do_sample
         if self._tree is not None and not sampling and self.threshold <= 0:
-            return self._static_grow(drafters, states)
+            return self._static_grow(states)
         reads = self.threshold > 0 or (self.cost is not None and self.level_stop)
-        newest = max(d.committed for d in drafters)                                             # (host)
-        committed = torch.tensor([d.committed for d in drafters], device=dev)                     # (R,)
+        rows = [s.row for s in states]
+        newest = max(self.committed[b] for b in rows)                                            # (host)
+        committed = torch.tensor([self.committed[b] for b in rows], device=dev)                  # (R,)
         past = torch.tensor([s.past_len for s in states], device=dev)
-        prev = torch.cat([d.root_state for d in drafters])   # (R, m, H) output states of the last level run
+        prev = torch.cat([self.root_state[b] for b in rows])   # (R, m, H) output states of the last level run
         H = prev.shape[-1]
         # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
@@ -312,17 +279,17 @@ class EagleDrafter(Drafter):
             # Each runs in slot past + d - 1, reading its parent's output state.
             feature = prev.gather(1, fidx.gather(1, best)[..., None].expand(-1, -1, H))          # (R, k, H)
             if self.static_step is not None:   # every row at the static shape; the inactive rows' states unused
-                run = self._static_level(drafters, feature, tokens[-1].gather(1, best),
+                run = self._static_level(rows, feature, tokens[-1].gather(1, best),
                                          (past + d - 1)[:, None].expand(-1, k), committed, top_anc, d)[a]
             elif len(active) == R:
                 rope = (cos[:, d - 1: d].expand(-1, k, -1), sin[:, d - 1: d].expand(-1, k, -1))
                 run = self._run(feature, tokens[-1].gather(1, best), rope,
-                                self._level_mask(committed, top_anc, d, newest), rows=[x.row for x in drafters])
+                                self._level_mask(committed, top_anc, d, newest), rows)
             else:
                 rope = (cos[a, d - 1: d].expand(-1, k, -1), sin[a, d - 1: d].expand(-1, k, -1))
                 run = self._run(feature[a], tokens[-1].gather(1, best)[a], rope,
-                                self._level_mask(committed[a], top_anc[a], d, max(drafters[b].committed for b in active)),
-                                rows=[drafters[b].row for b in active])
+                                self._level_mask(committed[a], top_anc[a], d, max(self.committed[rows[b]] for b in active)),
+                                [rows[b] for b in active])
             prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)
             cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
             A = len(active)
@@ -460,7 +427,7 @@ class EagleDrafter(Drafter):
         if self._static is None:
             return
         attn, dev, k = self.head.midlayer.self_attn, self.backbone.device, self.expand
-        self.cache = None     # compiled on the buffers decoding will use (``begin_rows`` takes the same)
+        self.cache = None     # compiled on the buffers decoding will use (``begin`` takes the same)
         cache = self._head_storage.cache(batch, self._head_capacity())
         cache.allocate(1, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=dev)
         keys, values = cache.keys, cache.values
@@ -548,7 +515,7 @@ class EagleDrafter(Drafter):
         keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1   # as ``_cut``
         return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)[1:]
 
-    def _static_grow(self, drafters: list["EagleDrafter"], states: list[DecodeState]) -> list[Draft]:
+    def _static_grow(self, states: list[DecodeState]) -> list[Draft]:
         """``_grow`` for a greedy step at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
         over every row of the head cache (an idle row drafts at the top slots, which no row reads)."""
         dev, k, B = self.backbone.device, self.expand, self.cache.batch
@@ -564,16 +531,16 @@ class EagleDrafter(Drafter):
             commit = (torch.zeros(B, N, A, dtype=self.dtype, device=dev), torch.zeros(B, N, dtype=torch.long, device=dev),
                       slots.clone(), slots, slots + 1)
             sizes = torch.zeros(B, dtype=torch.long, device=dev)
-            root.index_copy_(0, torch.tensor([x.row for x in drafters], device=dev),
-                             torch.cat([x.root_state[:, 0] for x in drafters]))
-        live = [x.row for x in drafters]
+            root.index_copy_(0, torch.tensor([s.row for s in states], device=dev),
+                             torch.cat([self.root_state[s.row][:, 0] for s in states]))
+        live = [s.row for s in states]
         pending = self._at_rows(live, [s.ids[-1] for s in states], 0)
-        committed = self._at_rows(live, [x.committed for x in drafters], C - self.depth * k)   # (idle: the top slots)
+        committed = self._at_rows(live, [self.committed[b] for b in live], C - self.depth * k)   # (idle: the top slots)
         past = self._at_rows(live, [s.past_len for s in states], 0)
         tokens, parents, depths, ranks, ancestors, path_p = self._tree(
             self.cache.keys, self.cache.values, *commit, sizes, root, pending, committed, past)
         drafts = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
-                        tokens=tokens[b], path_p=path_p[b]) for b in (x.row for x in drafters)]
+                        tokens=tokens[b], path_p=path_p[b]) for b in live]
         return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
                 for d, s in zip(drafts, states)]
 
@@ -603,9 +570,9 @@ class EagleDrafter(Drafter):
             out.append(full)
         return out
 
-    def _static_level(self, drafters: list["EagleDrafter"], feature: torch.Tensor, tokens: torch.Tensor,
+    def _static_level(self, live: list[int], feature: torch.Tensor, tokens: torch.Tensor,
                       positions: torch.Tensor, committed: torch.Tensor, anc: torch.Tensor, d: int) -> torch.Tensor:
-        """Level d of every live row (R of them) at the static shape -> (R, k, H) output states. Node j of a
+        """Level d of the live rows ``live`` (R of them) at the static shape -> (R, k, H) output states. Node j of a
         row writes slot committed + (d - 1) k + j (as eagerly) and sees the committed slots, its drafted
         ancestors' (anc: (R, k, d - 1), their places in levels 1 .. d - 1) and its own, listed in
         ``depth`` entries (the own slot repeated) so that every level has one shape."""
@@ -614,7 +581,6 @@ class EagleDrafter(Drafter):
         ancs = committed[:, None, None] + torch.arange(d - 1, device=dev)[None, None] * k + anc
         vis = torch.cat([ancs, own[..., None].expand(-1, -1, self.depth - d + 1)], dim=2)    # (R, k, depth)
         C = self.cache.keys[0].shape[2]
-        live = [x.row for x in drafters]
         rows = torch.tensor(live, device=dev)
         slots, feature, tokens, positions, limit, vis = self._padded(
             live, rows, own, feature.to(self.dtype), tokens, positions, committed[:, None].expand(-1, k), vis,
@@ -622,9 +588,8 @@ class EagleDrafter(Drafter):
         run = self._static(self.cache.keys, self.cache.values, feature, tokens, positions, slots, limit, vis, False)
         return run[rows]
 
-    def _commit_static(self, drafters: list["EagleDrafter"], states: list[DecodeState], accepted: list[Accepted],
-                       outs: list[TargetOut]) -> None:
-        """``commit_rows`` at the static shape: every row's accepted slots in one call, padded to a bucket
+    def _commit_static(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
+        """``commit`` at the static shape: every row's accepted slots in one call, padded to a bucket
         (the padding's slots lie where the next step's drafts write before anything reads them)."""
         dev = self.backbone.device
         sizes = [len(a.path) for a in accepted]
@@ -632,25 +597,25 @@ class EagleDrafter(Drafter):
         self._flush()   # a commit the last step left to a draft that never ran (a plain step)
         # Fused (the next draft is a whole-tree pass): padded to the longest path, so the pass has one shape.
         N = self.static_step.bucket(max(sizes) if not fused else max(self._longest_path(), *sizes))
-        starts = torch.tensor([d.committed for d in drafters], device=dev)
-        aux = torch.zeros(len(drafters), N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
-        tokens = torch.zeros(len(drafters), N, dtype=torch.long, device=dev)
-        for b, (d, s, a, out) in enumerate(zip(drafters, states, accepted, outs)):
-            aux[b, : sizes[b]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(self.dtype)
-            tokens[b, : sizes[b]] = torch.tensor(s.ids[d.committed + 1: s.past_len + 1], device=dev)
-        positions = starts[:, None] + torch.arange(N, device=dev)
+        live = [s.row for s in states]
+        starts = [self.committed[b] for b in live]
+        aux = torch.zeros(len(states), N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
+        tokens = torch.zeros(len(states), N, dtype=torch.long, device=dev)
+        for i, (s, a, out) in enumerate(zip(states, accepted, outs)):
+            aux[i, : sizes[i]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(self.dtype)
+            tokens[i, : sizes[i]] = torch.tensor(s.ids[starts[i] + 1: s.past_len + 1], device=dev)
+        positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
         C = self.cache.keys[0].shape[2]
-        live = [d.row for d in drafters]
         rows = torch.tensor(live, device=dev)
         slots, positions, aux, tokens, limit = self._padded(
             live, rows, positions, positions, aux, tokens, positions + 1, idle_slots=torch.arange(C - N, C, device=dev))
         commit = (aux, tokens, positions, slots, limit)
         # Fused: run by the next step's draft, in its one call (``_tree_pass``); else now (``_flush``).
         self._pending[:] = [commit, self._at_rows(live, sizes, 0)]   # (idle rows: no real slot)
-        for b, d in enumerate(drafters):
-            d.committed += sizes[b]   # (host arithmetic: no read of ``starts`` back)
-            d.root_state = None
-            self.cache.lengths[0][d.row] = d.committed   # the host's view (``KVCache.layer``) follows
+        for i, b in enumerate(live):
+            self.committed[b] += sizes[i]
+            self.root_state[b] = None
+            self.cache.lengths[0][b] = self.committed[b]   # the host's view (``KVCache.layer``) follows
         if not fused:
             self._flush()
 
@@ -663,8 +628,8 @@ class EagleDrafter(Drafter):
         run = self._static(self.cache.keys, self.cache.values, aux, tokens, positions, slots, limit,
                            slots[..., None].clone(), True)
         root = run.gather(1, (sizes - 1).clamp(min=0)[:, None, None].expand(-1, 1, run.shape[-1]))   # (B, 1, H)
-        for d in self._rows:
-            d.root_state = root[d.row: d.row + 1]
+        for b in range(len(self.root_state)):
+            self.root_state[b] = root[b: b + 1]
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
@@ -683,7 +648,7 @@ class EagleDrafter(Drafter):
             [torch.arange(d - 1, device=dev)[None, None, :] * self.expand + anc,
              torch.full((A, k, 1), spec, device=dev) + torch.arange(k, device=dev)[None, :, None]], dim=2)
         visible.scatter_(2, slots, True)
-        return additive_mask(visible, self.root_state.dtype)
+        return additive_mask(visible, self.dtype)
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@ whose very first draft is doubtful proposes nothing: the verifier then runs only
 the pending token, whose layers[0:E] the draft already ran, so it costs one plain step plus
 the exit head, and never the half step a rejected draft would waste in verification.
 
-A batch (``draft_rows``): each chain step runs layers[0:E] and the exit head once for every row
+A batch: each chain step runs layers[0:E] and the exit head once for every row
 still drafting, one token a row, each written after that row's own slots of the target's batched
-cache (and of the layer adapter's, ``begin_rows``); a row whose chain lost confidence sits the later
+cache (and of the layer adapter's); a row whose chain lost confidence sits the later
 steps out. Every row gets the chain it would get alone.
 
 Exit adapters: a residual MLP is stateless. A decoder-layer adapter attends over earlier
@@ -64,66 +64,51 @@ class EarlyExitDrafter(Drafter):
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
         self.stateful = isinstance(heads.module, ExitLayerHead)
         self.capture_layers = (exit_layer,) if self.stateful else ()
-        self.adapter_cache = kv.new_cache()   # a layer adapter's own cache: this drafter's, or a batch's (begin_rows)
-        self.row = 0                          # this drafter's row of ``adapter_cache``
-        self.drafted = 0  # chain nodes the last draft ran through layers[0:E] (root included)
+        self.adapter_cache = kv.new_cache()   # a layer adapter's own cache, a row per batch row (``begin``)
+        self.drafted: list[int] = []          # per row: chain nodes its last draft ran through layers[0:E] (root included)
 
-    def _adapt(self, h: torch.Tensor, positions: torch.Tensor, rows: list[int] | None = None,
+    def _adapt(self, h: torch.Tensor, positions: torch.Tensor, rows: list[int],
                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Exit adapter on layer-E states (R, n, H) at ``positions`` (R, n); a layer adapter appends its KV
-        to rows ``rows`` of its cache (default: this drafter's). No mask: n == 1 sees the row's whole
-        cache; n > 1 only on an empty cache (prefill: causal)."""
+        to rows ``rows`` of its cache. No mask: n == 1 sees the row's whole cache; n > 1 only on an empty
+        cache (prefill: causal)."""
         if not self.stateful:
             return self.heads.module(h)
         return self.heads.module(h, position_embeddings=self.backbone.rotary_emb(h, position_ids=positions),
                                  position_ids=positions, attention_mask=mask,
-                                 cache=self.adapter_cache.rows([self.row] if rows is None else rows))
+                                 cache=self.adapter_cache.rows(rows))
 
     def _positions(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, device=self.backbone.device)[None]
 
     @torch.no_grad()
-    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        if self.stateful:
-            self.adapter_cache, self.row = kv.new_cache(), 0
-            self._adapt(prefill.captured[0], self._positions(0, prefill.captured[0].shape[1]))
-
-    @classmethod
-    @torch.no_grad()
-    def begin_rows(cls, drafters: list["EarlyExitDrafter"], states: list[DecodeState], prefills: list[TargetOut]) -> None:
+    def begin(self, states: list[DecodeState], prefills: list[TargetOut]) -> None:
         """A layer adapter's per-row caches are the rows of one batched cache (one call per chain step for all rows)."""
-        if not drafters[0].stateful:
-            return
-        shared = kv.new_cache(len(drafters))
-        for b, (d, out) in enumerate(zip(drafters, prefills)):
-            d.adapter_cache, d.row = shared, b
-            d._adapt(out.captured[0], d._positions(0, out.captured[0].shape[1]))
-
-    @torch.no_grad()
-    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
+        self.drafted = [0] * len(states)
         if not self.stateful:
             return
-        past = state.past_len - len(accepted.path)     # the cache length before this step
-        # Drafting ran the adapter on chain nodes 0..m-1; the path is 0, 1, .., j (+ a sibling leaf).
-        seen = sum(1 for node in accepted.path if node < self.drafted)
-        self.adapter_cache.row(self.row).truncate(past + seen)
-        missing = list(accepted.path[seen:])            # at most one node: chain node k or a leaf
-        if missing:
-            self._adapt(out.captured[0][:, missing], self._positions(past + seen, len(missing)))
-        self.drafted = 0   # a step it does not draft (a plain step of the back-off) ran no node through the adapter
+        self.adapter_cache = kv.new_cache(len(states))
+        for b, out in enumerate(prefills):
+            self._adapt(out.captured[0], self._positions(0, out.captured[0].shape[1]), rows=[b])
 
     @torch.no_grad()
-    def draft(self, state: DecodeState) -> Draft:
-        return self.draft_rows([self], [state])[0]
+    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
+        for s, a, out in zip(states, accepted, outs):
+            drafted, self.drafted[s.row] = self.drafted[s.row], 0   # a plain step of the back-off runs no adapter
+            if not self.stateful:
+                continue
+            past = s.past_len - len(a.path)     # the cache length before this step
+            # Drafting ran the adapter on chain nodes 0..m-1; the path is 0, 1, .., j (+ a sibling leaf).
+            seen = sum(1 for node in a.path if node < drafted)
+            self.adapter_cache.row(s.row).truncate(past + seen)
+            missing = list(a.path[seen:])            # at most one node: chain node k or a leaf
+            if missing:
+                self._adapt(out.captured[0][:, missing], self._positions(past + seen, len(missing)), rows=[s.row])
 
-    @classmethod
     @torch.no_grad()
-    def draft_rows(cls, drafters: list["EarlyExitDrafter"], states: list[DecodeState]) -> list[Draft]:
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
         """Every row's chain, one call of layers[0:E] (and the exit head) per chain step for all rows
         still drafting; each row writes its KV after its own slots of the target's batched cache."""
-        return drafters[0]._chains(drafters, states)
-
-    def _chains(self, drafters: list["EarlyExitDrafter"], states: list[DecodeState]) -> list[Draft]:
         bb, E, k, R = self.backbone, self.exit_layer, self.tree.depth, len(states)
         target = states[0].cache.cache                       # the target's KVCache; each state holds a row of it
         rows = [s.cache.index for s in states]
@@ -142,7 +127,7 @@ class EarlyExitDrafter(Drafter):
             # One token a row through layers[0:E]; their KV for those layers lands in the shared cache.
             h = bb.run_layers(bb.embed_tokens(tok[a][:, None]), start=0, end=E, position_ids=pos, attention_mask=mask,
                               cache=target.rows([rows[b] for b in active]))                      # (A, 1, H)
-            adapted = self._adapt(h, pos, rows=[drafters[b].row for b in active], mask=mask)
+            adapted = self._adapt(h, pos, rows=[states[b].row for b in active], mask=mask)
             z = self.project(bb.final_norm(adapted[:, 0]))                                     # (A, V_draft)
             cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=states[0])
             still = []
@@ -156,7 +141,9 @@ class EarlyExitDrafter(Drafter):
             active = still
             if not active:
                 break
-        return [d._draft_from(s, h, c) for d, s, h, c in zip(drafters, states, hiddens, cands)]
+        for s, h in zip(states, hiddens):
+            self.drafted[s.row] = len(h)
+        return [self._draft_from(s, h, c) for s, h, c in zip(states, hiddens, cands)]
 
     def _draft_from(self, state: DecodeState, hiddens: list[torch.Tensor], cands: list) -> Draft:
         """One row's draft from the chain it ran: layer-E states and candidates per depth drafted."""
@@ -169,6 +156,5 @@ class EarlyExitDrafter(Drafter):
         # The drafted chain nodes lead the tree; the cache holds layers[0:E] for exactly these.
         assert tree.paths[: len(hiddens) - 1] == self.tree.paths[: len(hiddens) - 1] and tree.size >= len(hiddens)
         tokens = layout(tree, state.ids[-1], tokens_rows)
-        self.drafted = len(hiddens)
         q = torch.cat([c[1] for c in cands]) if state.params.do_sample else None
         return Draft(tree=tree, tokens=tokens, q=q, resume=Resume(layer=self.exit_layer, hidden=torch.cat(hiddens, dim=1)))

@@ -224,6 +224,6 @@ class LookupDrafter(Drafter):
         self.device = str(device)
         self.tree = build_tree((), self.device)
 
-    def draft(self, state: DecodeState) -> Draft:
-        root = Draft(tree=self.tree, tokens=torch.tensor([state.ids[-1]], device=self.device))
-        return with_lookup(root, state, self.lookup, vocab_size=self.vocab_size, corpus=self.corpus)
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
+        return [with_lookup(Draft(tree=self.tree, tokens=torch.tensor([s.ids[-1]], device=self.device)), s, self.lookup,
+                            vocab_size=self.vocab_size, corpus=self.corpus) for s in states]

@@ -50,31 +50,25 @@ class MedusaDrafter(Drafter):
         self.corpus = corpus                             # where the lookup finds no context match (corpus.py)
         self.vocab = heads.draft_vocab
         self.project = draft_head(backbone, self.vocab)  # (.., H) -> (.., V_draft)
-        self.hidden: torch.Tensor | None = None          # (H,) that produced the pending token
+        self.hidden: list[torch.Tensor] = []             # per row: the (H,) state that produced its pending token
 
-    def begin(self, state: DecodeState, prefill: TargetOut) -> None:
-        self.hidden = prefill.hidden[-1]
+    def begin(self, states: list[DecodeState], prefills: list[TargetOut]) -> None:
+        self.hidden = [out.hidden[-1] for out in prefills]
 
     @torch.no_grad()
-    def draft(self, state: DecodeState) -> Draft:
-        return self._draft_from(self._logits([self], [state])[0], state)
+    def draft(self, states: list[DecodeState]) -> list[Draft]:
+        """Every row's heads in one call, then each row's tree."""
+        return [self._draft_from(z, s) for z, s in zip(self._logits(states), states)]
 
-    @classmethod
-    @torch.no_grad()
-    def draft_rows(cls, drafters: list["MedusaDrafter"], states: list[DecodeState]) -> list[Draft]:
-        """Every row's heads in one call (the row copies share heads, tree and LM-head rows)."""
-        logits = drafters[0]._logits(drafters, states)
-        return [d._draft_from(z, s) for d, z, s in zip(drafters, logits, states)]
-
-    def _logits(self, drafters: list["MedusaDrafter"], states: list[DecodeState]) -> torch.Tensor:
+    def _logits(self, states: list[DecodeState]) -> torch.Tensor:
         """(B, depth, V_draft): only the heads the tree uses, on each row's hidden state (its root: the pending token)."""
         depth = self.tree.depth
-        hidden = torch.stack([d.hidden for d in drafters])                                       # (B, H)
+        hidden = torch.stack([self.hidden[s.row] for s in states])                               # (B, H)
         root = None
         if self.heads.config.token_input:
             root = self.backbone.embed(torch.tensor([s.ids[-1] for s in states], device=hidden.device))[0]  # (B, H)
         h = self.heads.module(hidden, root)[:, :depth]                                           # (B, depth, H)
-        return self.project(h.reshape(-1, h.shape[-1])).view(len(drafters), depth, -1)
+        return self.project(h.reshape(-1, h.shape[-1])).view(len(states), depth, -1)
 
     def _draft_from(self, logits: torch.Tensor, state: DecodeState) -> Draft:
         """One row's tree from its heads' logits (depth, V_draft)."""
@@ -86,5 +80,6 @@ class MedusaDrafter(Drafter):
         return with_lookup(draft, state,
                            self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
-    def commit(self, state: DecodeState, accepted: Accepted, out: TargetOut) -> None:
-        self.hidden = out.hidden[accepted.path[-1]]
+    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
+        for s, a, out in zip(states, accepted, outs):
+            self.hidden[s.row] = out.hidden[a.path[-1]]
