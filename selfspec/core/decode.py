@@ -296,8 +296,8 @@ def decode_rows(
     """Generate up to ``max_new_tokens`` after each prompt (n_b,), all rows in one batch.
 
     ``drafter`` drafts for every live row in one call (``Drafter.draft``), holding each row's state
-    itself; one target pass per step verifies every row's tree; each row accepts, commits and stops on its own, and a
-    finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
+    itself; one target pass per step verifies every row's tree; each row accepts, commits and stops
+    on its own, and a finished row leaves the batch. With ``step`` (a ``StaticStep``; ``compile=True``) every
     verification runs at static shapes on a static cache, and a finished row stays in it idle, so
     that the shapes (and the compiled graphs) never change. With ``cost``, each step's trees
     are cut to the width the step's pass is worth (``cost.fit``; with ``step``, a ``VerifyCost``

@@ -30,10 +30,10 @@ with its parent's r-th largest probability instead of its own, and the tree keep
 ``expand`` best of each level (a beam, ``expand`` x ``depth`` nodes): every kept set is then
 decided by the parents' distributions alone. ``Draft.q_index`` names each node's row.
 
-A batch: the rows' head caches are the rows of one batched cache, each at its own length; each level of every row's tree runs in one head call (a row
-whose best path fell below the threshold sits that level out), and so do every row's accepted slots
-after a step (paths of different lengths padded, the padding cut off). Every row gets the tree it
-would get alone.
+A batch: the rows' head caches are the rows of one batched cache, each at its own length; each
+level of every row's tree runs in one head call (a row whose best path fell below the threshold sits
+that level out), and so do every row's accepted slots after a step (paths of different lengths
+padded, the padding cut off). Every row gets the tree it would get alone.
 
 Compiled (``use_step`` with a static verify step, ``compile=True``), the head drafts at static shapes
 too (unless ``static_head=False``): its cache is preallocated with a row per batch row (a finished row idles in it), each
