@@ -340,14 +340,13 @@ class MarkovEagle(EagleDrafter):
     """The eagle drafter's tree search over a MarkovHead (no model calls)."""
 
     def __init__(self, table, **kw):
-        rope = staticmethod(lambda x, position_ids: (position_ids[..., None].float(),) * 2)   # (unread: _run's)
-        self.backbone = type("BB", (), {"device": torch.device("cpu"), "vocab_size": table.shape[0],
-                                        "rotary_emb": rope})()
+        rope = staticmethod(lambda x, position_ids, top=None: (position_ids[..., None].float(),) * 2)   # (unread: _run's)
+        self.backbone = type("BB", (), {"device": torch.device("cpu"), "vocab_size": table.shape[0], "rope": rope})()
         self.head, self.vocab, self.lookup, self.threshold = MarkovHead(table), None, 0, kw.pop("threshold", 0.0)
         self.corpus = None
         self.log_threshold = torch.tensor(self.threshold).log().item() if self.threshold > 0 else -float("inf")
         self.depth, self.expand, self.nodes = kw["depth"], kw["expand"], kw["nodes"]
-        self.cache, self.committed, self.dtype = kv.new_cache(), [0], torch.float32
+        self.cache, self.committed, self.dtype, self._layouts = kv.new_cache(), [0], torch.float32, {}
 
     def _run(self, feature, tokens, positions, mask, rows):
         return F.one_hot(tokens, self.table.shape[0]).float()

@@ -372,3 +372,50 @@ def test_sampling_distribution_is_transformers_warpers_in_their_order(temperatur
     got = probs_from_logits(logits, params)
     torch.testing.assert_close(got, expected.softmax(-1))
     assert ((got > 0).sum(-1) < 300).all() or (top_k == 0 and top_p == 1 and min_p == 0)   # the cuts cut
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "phi3"])
+def test_rope_table_is_the_rotary_module_bit_for_bit(arch):
+    """``Backbone.rope`` reads (cos, sin) from a table the model's own rotary module filled: the very values
+    the module gives for those positions, across the table's growth; a rope that depends on more than the
+    position (dynamic NTK) is never tabled."""
+    from selfspec.core.backbone import Backbone
+    from tests.conftest import tiny_model
+
+    bb = Backbone(tiny_model(arch))
+    like = torch.zeros(1, 1, bb.hidden_size)
+    for top in (5, 300, 700):   # 300 and 700 grow the table (it starts at 256 positions)
+        pos = torch.tensor([[top - 1, 0, top // 2], [3, top - 2, 1]])
+        for got, want in zip(bb.rope(like, pos, top=top), bb.rotary_emb(like, position_ids=pos)):
+            assert torch.equal(got, want)
+    dynamic = Backbone(tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    assert dynamic._rope_tables is None
+    pos = torch.tensor([[0, 1, 2]])
+    assert all(torch.equal(a, b) for a, b in zip(dynamic.rope(like, pos, top=3), dynamic.rotary_emb(like, position_ids=pos)))
+
+
+def test_eagle_head_stacked_projections_follow_their_weights():
+    """Decoding, the EAGLE head runs q, k, v (and gate, up) as one product of stacked weights: the same
+    outputs as the projections one by one (as training runs them), made again when a weight changes in place."""
+    from selfspec.core.backbone import Backbone
+    from selfspec.model import untrained_heads
+    from tests.conftest import jitter, tiny_model
+
+    model = tiny_model("llama")
+    head = untrained_heads("eagle", model, "t").module
+    jitter(head, 0.3, seed=1)
+    bb = Backbone(model)
+    feature, emb = torch.randn(2, 3, bb.hidden_size), torch.randn(2, 3, bb.hidden_size)
+    rope = bb.rotary_emb(feature, position_ids=torch.arange(3)[None].expand(2, -1))
+
+    def run():
+        return head(feature, emb, position_embeddings=rope, cache=kv.new_cache(2))
+
+    for _ in range(2):
+        with torch.no_grad():
+            fast = run()
+        slow = run()   # autograd on: the projections one by one
+        assert torch.allclose(fast, slow, atol=1e-5)
+        with torch.no_grad():   # trained in place: the stacked copy must follow
+            head.midlayer.self_attn.k_proj.weight.mul_(1.5)
+            head.midlayer.mlp.up_proj.weight.add_(0.1)

@@ -27,6 +27,9 @@ from torch.nn import functional as F
 # transformers renamed it),
 # position_embeddings). Gemma's embedding scale lives inside its embedding module.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+# Rope types whose angles are a function of the position alone (dynamic NTK and longrope re-derive theirs from
+# the sequence length as it grows): their (cos, sin) can be read from a table the rotary module filled.
+POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Backbone:
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
         self.sliding_window = self._sliding_window(config)
+        self._rope_tables: dict | None = {} if getattr(self.rotary_emb, "rope_type", None) in POSITION_ONLY_ROPE else None
 
     @staticmethod
     def _sliding_window(config) -> int | None:
@@ -82,6 +86,23 @@ class Backbone:
         """(n,) ids -> (1, n, H); (B, n) ids -> (B, n, H) through ``embed_tokens``."""
         return self.embed_tokens(input_ids[None])
 
+    def rope(self, like: torch.Tensor, position_ids: torch.Tensor, *, top: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary (cos, sin) of ``position_ids`` (B, n) in ``like``'s dtype, as the model's rotary module gives
+        them. With ``top`` (every position is known to lie below it) and a rope whose angles depend on the
+        position alone, they are read from a table of positions 0 .. top - 1 that the module itself filled
+        (grown by doubling as positions grow): one index per step instead of the module's own work."""
+        tables = self._rope_tables
+        if top is None or tables is None or torch.compiler.is_compiling():
+            return self.rotary_emb(like, position_ids=position_ids)
+        key = (like.dtype, like.device)
+        table = tables.get(key)
+        if table is None or table[0].shape[0] < top:
+            n = max(top, 256, 0 if table is None else 2 * table[0].shape[0])
+            cos, sin = self.rotary_emb(like, position_ids=torch.arange(n, device=like.device)[None])
+            table = tables[key] = (cos[0], sin[0])
+        return table[0][position_ids], table[1][position_ids]
+
     def run_layers(
         self,
         hidden: torch.Tensor,
@@ -91,9 +112,11 @@ class Backbone:
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run ``layers[start:end]`` on (B, n, H), appending their KV to ``cache``. Mask: (B, 1, n, kv_len) additive."""
-        pos_emb = self.rotary_emb(hidden, position_ids=position_ids)
+        """Run ``layers[start:end]`` on (B, n, H), appending their KV to ``cache``. Mask: (B, 1, n, kv_len) additive.
+        rope: the positions' rotary (cos, sin) when the caller has it (``rope``); else the rotary module's."""
+        pos_emb = rope if rope is not None else self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers[start:end]:
             hidden = layer(
                 hidden,

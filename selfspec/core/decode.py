@@ -69,17 +69,21 @@ class DecodeStats:
         return d
 
 
-def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, capture: tuple[int, ...]):
+def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, capture: tuple[int, ...],
+            top: int | None = None):
     """layers[start:N], split at the ``capture`` points a drafter wants hidden states after (same cost).
 
     Capture c is the hidden state after layer c, as transformers' ``output_hidden_states[c]``
-    reports it: so c = N is the final state *after* the final norm. Returns (last hidden, pre-norm;
-    captured states in ``capture`` order, each (B, n, H))."""
+    reports it: so c = N is the final state *after* the final norm. top: a bound the host knows on the
+    positions (``Backbone.rope``). Returns (last hidden, pre-norm; captured states in ``capture`` order, each
+    (B, n, H))."""
     N = backbone.num_layers
     got: dict[int, torch.Tensor] = {start: h}   # capturing ``start`` itself: the input
     at = start
+    rope = backbone.rope(h, position_ids, top=top)   # once for every layer run
     for stop in sorted({c for c in capture if start < c < N}) + [N]:
-        h = backbone.run_layers(h, start=at, end=stop, position_ids=position_ids, attention_mask=mask, cache=cache)
+        h = backbone.run_layers(h, start=at, end=stop, position_ids=position_ids, attention_mask=mask, cache=cache,
+                                rope=rope)
         got[stop], at = h, stop
     if N in capture:
         got[N] = backbone.final_norm(h)
@@ -122,7 +126,7 @@ def prefill_rows(backbone: Backbone, cache: KVCache, prompts: list[torch.Tensor]
         causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
         mask = batch_mask([causal[:n, :n] for n in lens], [0] * len(lens), L, backbone.dtype)
     h, mid = _layers(backbone, backbone.embed_tokens(ids), start=0, mask=mask, cache=cache, capture=capture,
-                     position_ids=torch.arange(L, device=dev)[None].expand(len(lens), -1))
+                     position_ids=torch.arange(L, device=dev)[None].expand(len(lens), -1), top=L)
     cache.set_lengths(lens)
     last = torch.tensor(lens, device=dev) - 1
     normed = backbone.final_norm(h[torch.arange(len(lens), device=dev), last])      # (B, H)
@@ -152,7 +156,7 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: li
     positions = _padded([d.tree.depths for d in drafts], n, dev) + torch.tensor(pasts, device=dev)[:, None]
     mask = batch_mask([d.tree.ancestors.to(dev) for d in drafts], pasts, n, backbone.dtype)
     h, mid = _layers(backbone, backbone.embed_tokens(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
-                     capture=capture)
+                     capture=capture, top=max(pasts) + n)
     return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
 
 
@@ -186,7 +190,8 @@ def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], d
     h = torch.stack([torch.cat([x, x.new_zeros(n - x.shape[0], x.shape[1])]) for x in saved])   # (B, n, H)
     positions = _padded([d.tree.depths for d in drafts], n, dev) + torch.tensor(pasts, device=dev)[:, None]
     mask = batch_mask(ancestors, pasts, n, backbone.dtype)
-    h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture)
+    h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture,
+                     top=max(pasts) + n)
     return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
 
 
@@ -216,7 +221,7 @@ def _verify_one(backbone: Backbone, cache, past_len: int, draft: Draft, *, captu
     mask = tree.attention_mask(past_len, dtype=backbone.dtype) if tree.size > 1 else None
     if draft.resume is None:
         h, mid = _layers(backbone, backbone.embed(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
-                         capture=capture)
+                         capture=capture, top=past_len + tree.size)
     else:
         # The drafter already ran layers[0:E] for the first m nodes (their KV is cached):
         # run those layers for the rest only, then layers[E:] for all nodes.
@@ -228,7 +233,8 @@ def _verify_one(backbone: Backbone, cache, past_len: int, draft: Draft, *, captu
             h = torch.cat([h, rest], dim=1)
         if any(c < E for c in capture):
             raise ValueError(f"a drafter that resumes at layer {E} cannot capture earlier layers {capture}")
-        h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture)
+        h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture,
+                         top=past_len + tree.size)
     normed = backbone.final_norm(h)
     return TargetOut(logits=backbone.logits(normed)[0], hidden=normed[0], captured=mid)
 

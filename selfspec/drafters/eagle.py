@@ -128,6 +128,7 @@ class EagleDrafter(Drafter):
         self.committed: list[int] = []                 # per row: head cache slots that hold committed tokens
         self.root_state: list[torch.Tensor | None] = []   # per row: (1, 1, H) output of its last committed slot
         self._pending: list = []   # static: the last step's commit, left to the next draft's one call (``_commit_static``)
+        self._layouts: dict = {}   # ``_pool_layout`` per pool depth
 
     @property
     def max_nodes(self) -> int:
@@ -147,23 +148,23 @@ class EagleDrafter(Drafter):
                                     rows=self.cost_rows or len(drafted), widest=self.max_nodes, running=len(active))
 
     # ------------------------------------------------------------------ the head's own cache
-    def _run(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+    def _run(self, feature: torch.Tensor, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              mask: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
-        """Slots for ``tokens`` (R, n) at ``positions`` (R, n) reading ``feature`` (R, n, H), appended to
-        rows ``rows`` of the head cache -> (R, n, H) output states. positions may be the rotary (cos, sin)
-        of those positions instead, (R, n, head_dim) each."""
-        bb = self.backbone
-        emb = bb.embed(tokens.reshape(-1)).view(*tokens.shape, -1)
-        rope = positions if isinstance(positions, tuple) else bb.rotary_emb(feature, position_ids=positions)
+        """Slots for ``tokens`` (R, n) reading ``feature`` (R, n, H), at the positions whose rotary (cos, sin)
+        is ``rope`` ((R, n, head_dim) each, ``Backbone.rope``), appended to rows ``rows`` of the head cache
+        -> (R, n, H) output states."""
+        emb = self.backbone.embed(tokens.reshape(-1)).view(*tokens.shape, -1)
         return self.head(feature, emb.to(self.dtype), position_embeddings=rope,
                          cache=self.cache.rows(rows), attention_mask=mask)
 
     def _fill(self, row: int, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
-        """Row ``row``'s committed slots start.. from the target's features at ``nodes`` of a pass; tokens:
-        the next token of each."""
-        feature = self.head.fuse(torch.cat([c[:, nodes] for c in captured], dim=-1).to(self.dtype))
-        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)[None]
-        states = self._run(feature, tokens[None], positions, None, [row])
+        """Row ``row``'s committed slots start.. from the target's features at ``nodes`` (a (m,) index; None:
+        all) of a pass; tokens: the next token of each."""
+        aux = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
+        feature = self.head.fuse((aux if nodes is None else aux[:, nodes]).to(self.dtype))
+        end = start + tokens.shape[0]
+        rope = self.backbone.rope(feature, torch.arange(start, end, device=tokens.device)[None], top=end)
+        states = self._run(feature, tokens[None], rope, None, [row])
         self.root_state[row] = states[:, -1:]
         self.committed[row] = start + tokens.shape[0]
 
@@ -178,7 +179,7 @@ class EagleDrafter(Drafter):
         self.committed, self.root_state, self._pending = [0] * B, [None] * B, []
         for s, out in zip(states, prefills):
             P = s.past_len                       # prompt positions 0..P-1; ids[P] is pending
-            self._fill(s.row, out.captured, slice(None), torch.tensor(s.ids[1:P + 1], device=self.backbone.device), 0)
+            self._fill(s.row, out.captured, None, torch.tensor(s.ids[1:P + 1], device=self.backbone.device), 0)
 
     @torch.no_grad()
     def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
@@ -192,7 +193,7 @@ class EagleDrafter(Drafter):
             start = self.committed[s.row]
             self.cache.row(s.row).truncate(start)    # drop this step's speculative slots
             nxt = torch.tensor(s.ids[start + 1: s.past_len + 1], device=dev)
-            return self._fill(s.row, out.captured, list(a.path), nxt, start)
+            return self._fill(s.row, out.captured, torch.tensor(a.path, device=dev), nxt, start)
         R, rows = len(states), [s.row for s in states]
         starts = [self.committed[b] for b in rows]
         sizes = [len(a.path) for a in accepted]
@@ -205,7 +206,9 @@ class EagleDrafter(Drafter):
             tokens[i, : sizes[i]] = torch.tensor(s.ids[starts[i] + 1: s.past_len + 1], device=dev)
         positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
         visible = torch.arange(max(starts) + N, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
-        run = self._run(self.head.fuse(feature), tokens, positions, additive_mask(visible, self.dtype), rows)
+        feature = self.head.fuse(feature)
+        run = self._run(feature, tokens, self.backbone.rope(feature, positions, top=max(starts) + N),
+                        additive_mask(visible, self.dtype), rows)
         for i, b in enumerate(rows):
             self.committed[b] += sizes[i]
             self.cache.row(b).truncate(self.committed[b])            # the padding slots of shorter paths
@@ -253,9 +256,16 @@ class EagleDrafter(Drafter):
         qs = [q[:, None]] if sampling else []     # per level (R, rows, V_draft); level 1 has one row (the root's)
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
         parent_place, own = _level_layout(R, k, dev)              # fidx of every level after the first; own places
-        anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # newest level: its drafted ancestors' places
-        if self.static_step is None:   # level d's nodes all sit at position past + d - 1: every level's rotary at once
-            cos, sin = self.backbone.rotary_emb(prev, position_ids=past[:, None] + torch.arange(self.depth - 1, device=dev))
+        anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # static: the newest level's drafted ancestors' places
+        if self.static_step is None:
+            # Level d's nodes all sit at position past + d - 1: every level's rotary at once.
+            cos, sin = self.backbone.rope(prev, past[:, None] + torch.arange(self.depth - 1, device=dev),
+                                          top=max(s.past_len for s in states) + self.depth)
+            # What the newest level's parents see of the head cache, (R, k, T) additive: the root's, the
+            # row's committed slots; a node sees what its parent sees and its own slot (``_seen``).
+            span = newest + (self.depth - 1) * k
+            seen = torch.zeros(R, 1, span, dtype=self.dtype, device=dev).masked_fill_(
+                torch.arange(span, device=dev) >= committed[:, None, None], torch.finfo(self.dtype).min)
         start, levels, frontiers = 1, [1] * R, []
         active, a = list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
@@ -275,21 +285,24 @@ class EagleDrafter(Drafter):
                 a = torch.tensor(active, device=dev)
             top = start + best                                                                  # (R, k) pool ids
             frontiers.append(top)
-            top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))               # (R, k, d - 1)
             # Each runs in slot past + d - 1, reading its parent's output state.
-            feature = prev.gather(1, fidx.gather(1, best)[..., None].expand(-1, -1, H))          # (R, k, H)
+            place = fidx.gather(1, best)                                                        # (R, k) parents'
+            feature = prev.gather(1, place[..., None].expand(-1, -1, H))                       # (R, k, H)
             if self.static_step is not None:   # every row at the static shape; the inactive rows' states unused
+                top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))           # (R, k, d - 1)
+                anc = _each_k_times(torch.cat([top_anc, own], dim=2), k)   # the next level's
                 run = self._static_level(rows, feature, tokens[-1].gather(1, best),
                                          (past + d - 1)[:, None].expand(-1, k), committed, top_anc, d)[a]
-            elif len(active) == R:
-                rope = (cos[:, d - 1: d].expand(-1, k, -1), sin[:, d - 1: d].expand(-1, k, -1))
-                run = self._run(feature, tokens[-1].gather(1, best), rope,
-                                self._level_mask(committed, top_anc, d, newest), rows)
             else:
-                rope = (cos[a, d - 1: d].expand(-1, k, -1), sin[a, d - 1: d].expand(-1, k, -1))
-                run = self._run(feature[a], tokens[-1].gather(1, best)[a], rope,
-                                self._level_mask(committed[a], top_anc[a], d, max(self.committed[rows[b]] for b in active)),
-                                [rows[b] for b in active])
+                seen = self._seen(seen, place, committed, d)
+                if len(active) == R:
+                    rope = (cos[:, d - 1: d].expand(-1, k, -1), sin[:, d - 1: d].expand(-1, k, -1))
+                    run = self._run(feature, tokens[-1].gather(1, best), rope, seen[:, None, :, : newest + d * k], rows)
+                else:
+                    top_slot = max(self.committed[rows[b]] for b in active) + d * k
+                    rope = (cos[a, d - 1: d].expand(-1, k, -1), sin[a, d - 1: d].expand(-1, k, -1))
+                    run = self._run(feature[a], tokens[-1].gather(1, best)[a], rope, seen[a, None, :, :top_slot],
+                                    [rows[b] for b in active])
             prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)
             cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
             A = len(active)
@@ -307,7 +320,6 @@ class EagleDrafter(Drafter):
             if sampling:
                 qs.append(q.view(A, k, -1) if A == R else q.new_zeros(R, k, q.shape[-1]).index_copy_(0, a, q.view(A, k, -1)))
             fidx = parent_place
-            anc = _each_k_times(torch.cat([top_anc, own], dim=2), k)
             start += tokens[-2].shape[1]
             for b in active:
                 levels[b] += 1
@@ -321,6 +333,14 @@ class EagleDrafter(Drafter):
     def _pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a pool of L levels: each node's rank among its siblings, its depth, and the q row it was drawn
         from (level 1's is the root's, row 0; a child of place j in level d's run, 1 + (d - 1) k + j), (P,) each."""
+        if torch.compiler.is_compiling():   # (a compiled pass makes them as constants)
+            return self._make_pool_layout(L)
+        key = (L, self.backbone.device)
+        if key not in self._layouts:
+            self._layouts[key] = self._make_pool_layout(L)
+        return self._layouts[key]
+
+    def _make_pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k, dev = self.expand, self.backbone.device
         ranks = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.arange(k, device=dev)]
                           + [torch.arange(k, device=dev).repeat(k)] * (L - 1))
@@ -635,20 +655,14 @@ class EagleDrafter(Drafter):
         """(r, H) output states -> (r, V_draft) draft logits."""
         return self.project(self.head.scored(states))
 
-    def _level_mask(self, committed: torch.Tensor, anc: torch.Tensor, d: int, newest: int) -> torch.Tensor:
-        """(A, 1, k, T) additive mask for level d's run of A rows: each row's committed slots, each node's
-        drafted ancestors' slots (anc: (A, k, d - 1), their places in levels 1 .. d - 1) and its own.
-        newest: the most committed slots of any of the rows (known on the host)."""
-        A, k = anc.shape[:2]
-        spec = (d - 1) * self.expand                     # speculative slots already in each row's cache
-        T = newest + spec + k
-        dev = committed.device
-        visible = (torch.arange(T, device=dev)[None, None, :] < committed[:, None, None]).expand(A, k, T).clone()
-        slots = committed[:, None, None] + torch.cat(
-            [torch.arange(d - 1, device=dev)[None, None, :] * self.expand + anc,
-             torch.full((A, k, 1), spec, device=dev) + torch.arange(k, device=dev)[None, :, None]], dim=2)
-        visible.scatter_(2, slots, True)
-        return additive_mask(visible, self.dtype)
+    def _seen(self, parents_seen: torch.Tensor, place: torch.Tensor, committed: torch.Tensor, d: int) -> torch.Tensor:
+        """Level d's (R, k, T) additive mask over the head cache: node j sees what its parent (at ``place``[:, j]
+        of the last level's run, whose masks are ``parents_seen``) saw, and its own slot, committed + (d - 1) k + j:
+        so the row's committed slots and every drafted ancestor's."""
+        k, T = self.expand, parents_seen.shape[-1]
+        seen = parents_seen.gather(1, place[..., None].expand(-1, -1, T))
+        own = committed[:, None] + ((d - 1) * k + torch.arange(k, device=committed.device))
+        return seen.scatter_(2, own[..., None], 0.0)
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

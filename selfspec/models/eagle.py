@@ -63,10 +63,35 @@ def init_from_target(head: "EagleHead", backbone, vocab: torch.Tensor | None) ->
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on (B, heads, n, d) with cos/sin (B, n, d) from the target's rotary module."""
-    cos, sin = cos[:, None], sin[:, None]
+    return _rotate(x, cos[:, None], sin[:, None])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on x (..., d), cos/sin broadcast to it."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def _inference() -> bool:
+    """Whether a call may use ``_stacked`` weights: eager and without autograd (training and compiled passes read
+    the projections one by one; inductor fuses them itself)."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _stacked(module: nn.Module, *linears: nn.Linear) -> torch.Tensor:
+    """The weights of ``linears`` (no bias) stacked, so that one product computes all of them: kept on ``module``
+    and made again whenever one of the weights changes (moved, reloaded or trained in place)."""
+    key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
+    if module.__dict__.get("_stacked_key") != key:
+        module.__dict__["_stacked_weight"] = torch.cat([lin.weight for lin in linears])
+        module.__dict__["_stacked_key"] = key
+    return module.__dict__["_stacked_weight"]
+
+
+def _norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` without the module call."""
+    return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
 
 
 class EagleAttention(nn.Module):
@@ -81,10 +106,15 @@ class EagleAttention(nn.Module):
     def qkv(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, n, 2H) -> q (B, nh, n, d), k and v (B, nkv, n, d), rotary applied to q and k."""
         B, n, _ = x.shape
+        cos, sin = position_embeddings
+        if _inference():   # one product for q, k and v, and one rotation for q and k, in (B, n, heads, d)
+            nh, nkv = self.num_heads, self.num_kv_heads
+            y = F.linear(x, _stacked(self, self.q_proj, self.k_proj, self.v_proj)).view(B, n, nh + 2 * nkv, self.head_dim)
+            qk = _rotate(y[:, :, : nh + nkv], cos[:, :, None], sin[:, :, None])
+            return qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), y[:, :, nh + nkv:].transpose(1, 2)
         q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +124,7 @@ class EagleAttention(nn.Module):
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """(B, nh, n, d) -> (B, n, H)."""
         B, _, n, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, n, -1))
+        return F.linear(o.transpose(1, 2).reshape(B, n, -1), self.o_proj.weight)
 
 
 class EagleMLP(nn.Module):
@@ -105,6 +135,9 @@ class EagleMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _inference():   # gate and up in one product
+            gate, up = F.linear(x, _stacked(self, self.gate_proj, self.up_proj)).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -121,12 +154,12 @@ class EagleLayer(nn.Module):
         self.mlp = EagleMLP(hidden_size, intermediate_size)
 
     def attn_input(self, feature: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embedding), self.hidden_norm(feature)], dim=-1)
+        return torch.cat([_norm(self.input_layernorm, embedding), _norm(self.hidden_norm, feature)], dim=-1)
 
     def finish(self, feature: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual over the feature, then the MLP block: (B, n, H) output states."""
-        h = (self.hidden_norm(feature) if self.norm_before_residual else feature) + attended
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = (_norm(self.hidden_norm, feature) if self.norm_before_residual else feature) + attended
+        return h + self.mlp(_norm(self.post_attention_layernorm, h))
 
 
 class EagleHead(nn.Module):
@@ -155,15 +188,15 @@ class EagleHead(nn.Module):
             aux = self.input_norm(aux)
         elif self.feature_norm == "per_layer":
             aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
-        return self.fc(aux)
+        return F.linear(aux, self.fc.weight)
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
         """The layer's result -> the output state a slot passes on (normed under ``norm_output``)."""
-        return self.norm(h) if self.norm_output else h
+        return _norm(self.norm, h) if self.norm_output else h
 
     def scored(self, states: torch.Tensor) -> torch.Tensor:
         """(..., H) output states -> what the LM head reads (already normed under ``norm_output``)."""
-        return states if self.norm_output else self.norm(states)
+        return states if self.norm_output else _norm(self.norm, states)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """(..., H) output states -> (..., V_draft) draft logits."""
