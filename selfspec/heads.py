@@ -35,6 +35,7 @@ from torch import nn
 from . import __version__
 from .core.backbone import cache_argument
 from .io import atomic_path, atomic_write_text
+from .models.stacked import decoding, stacked
 from .settings import HOME_DEVICE, DecodeSettings, is_device_type
 
 KINDS = ("medusa", "early-exit", "eagle")
@@ -144,6 +145,13 @@ class MedusaHeads(nn.Module):
         if self.token_input and root_embedding is None:
             raise ValueError("these Medusa heads read the root token: pass root_embedding")
         e = root_embedding if self.token_input else None
+        if decoding() and all(block.mlp is None for block in self.blocks):   # every head in one product
+            blocks, shape = self.blocks, (*hidden.shape[:-1], len(self.blocks), hidden.shape[-1])
+            pre = nn.functional.linear(hidden, stacked(self, "w", [b.linear.weight for b in blocks]),
+                                       stacked(self, "b", [b.linear.bias for b in blocks]))
+            if e is not None:
+                pre = pre + nn.functional.linear(e, stacked(self, "token", [b.token.weight for b in blocks]))
+            return hidden[..., None, :] + nn.functional.silu(pre.view(shape))
         return torch.stack([block(hidden, e) for block in self.blocks], dim=-2)
 
 

@@ -793,9 +793,10 @@ def test_sampling_with_min_new_tokens_is_lossless(ban, one_thread, monkeypatch):
                 chi2_check(c, e, N)
 
 
-def test_static_mask_matches_the_eager_batch_mask():
-    """The mask the static step builds inside itself from row lengths and ancestor matrices equals the
-    eager path's (``batch_mask``) on the slots the eager path returns; slots beyond are hidden."""
+def test_tree_mask_matches_the_per_row_batch_mask():
+    """The mask a verify pass builds from row lengths and padded ancestor matrices (``tree_mask``, eager
+    and inside the static step) equals the per-row one (``batch_mask``) on the slots the eager cache
+    returns; slots beyond are hidden."""
     trees = [build_tree(((0,), (1,), (0, 0))), build_tree(chain(1)), build_tree(())]
     n, capacity, lengths = 4, 24, [5, 9, 2]
     anc = torch.eye(n, dtype=torch.bool).repeat(3, 1, 1)
@@ -803,9 +804,9 @@ def test_static_mask_matches_the_eager_batch_mask():
     for b, t in enumerate(trees):
         anc[b, :t.size, :t.size] = t.ancestors
         visible.append(t.ancestors)
-    from selfspec.runtime.step import static_mask
+    from selfspec.core.tree import tree_mask
 
-    got = static_mask(anc, torch.tensor(lengths), capacity, torch.float32)
+    got = tree_mask(anc, torch.tensor(lengths), capacity, torch.float32)
     want = decode_mod.batch_mask(visible, lengths, n, torch.float32)
     S = want.shape[-1]
     assert got.shape == (3, 1, n, capacity)

@@ -395,7 +395,7 @@ def test_rope_table_is_the_rotary_module_bit_for_bit(arch):
 
 
 def test_eagle_head_stacked_projections_follow_their_weights():
-    """Decoding, the EAGLE head runs q, k, v (and gate, up) as one product of stacked weights: the same
+    """Decoding, the EAGLE head runs q, k, v (and gate, up) as one product of stacked weights (models/stacked.py): the same
     outputs as the projections one by one (as training runs them), made again when a weight changes in place."""
     from selfspec.core.backbone import Backbone
     from selfspec.model import untrained_heads
@@ -419,3 +419,24 @@ def test_eagle_head_stacked_projections_follow_their_weights():
         with torch.no_grad():   # trained in place: the stacked copy must follow
             head.midlayer.self_attn.k_proj.weight.mul_(1.5)
             head.midlayer.mlp.up_proj.weight.add_(0.1)
+
+
+@pytest.mark.parametrize("token_input", [False, True])
+def test_medusa_heads_in_one_product_are_the_heads_one_by_one(token_input):
+    """Decoding, every Medusa head runs in one product of stacked weights: the heads' outputs one by one
+    (as training runs them), made again when a head's weights change in place."""
+    from selfspec.model import untrained_heads
+    from tests.conftest import jitter, tiny_model
+
+    model = tiny_model("llama")
+    heads = untrained_heads("medusa", model, "t", num_heads=3, token_input=token_input).module
+    jitter(heads, 0.3, seed=2)
+    hidden, emb = torch.randn(2, model.config.hidden_size), torch.randn(2, model.config.hidden_size)
+    for _ in range(2):
+        with torch.no_grad():
+            fast = heads(hidden, emb)
+        assert fast.shape == (2, 3, model.config.hidden_size)
+        assert torch.allclose(fast, heads(hidden, emb), atol=1e-5)
+        with torch.no_grad():
+            heads.blocks[1].linear.weight.mul_(1.5)
+            heads.blocks[2].linear.bias.add_(0.2)

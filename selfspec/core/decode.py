@@ -19,7 +19,8 @@ from .backbone import Backbone
 from .cache import KVCache
 from .clock import now
 from .sampling import SamplingParams, probs_from_logits, sample, target_logits
-from .types import DecodeState, Draft, Drafter, Pace, TargetOut, VerifyStep, WidthFit, plain_draft
+from .tree import tree_mask
+from .types import DecodeState, Draft, Drafter, Pace, StepBatch, TargetOut, VerifyStep, WidthFit, plain_draft
 
 if TYPE_CHECKING:
     from .stopping import StopStrings  # a rule over token ids; the loop never sees the tokenizer
@@ -150,14 +151,13 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: li
     if any(d.resume is not None for d in drafts):
         return _verify_resumed_rows(backbone, cache, pasts, drafts, capture=capture)
     dev = backbone.device
-    sizes = [d.tree.size for d in drafts]
-    n = max(sizes)
-    tokens = _padded([d.tokens for d in drafts], n, dev)
-    positions = _padded([d.tree.depths for d in drafts], n, dev) + torch.tensor(pasts, device=dev)[:, None]
-    mask = batch_mask([d.tree.ancestors.to(dev) for d in drafts], pasts, n, backbone.dtype)
-    h, mid = _layers(backbone, backbone.embed_tokens(tokens), start=0, position_ids=positions, mask=mask, cache=cache,
-                     capture=capture, top=max(pasts) + n)
-    return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
+    n = max(d.tree.size for d in drafts)
+    batch = StepBatch.of(drafts, n, dev)
+    lengths = torch.tensor(pasts, device=dev)
+    mask = tree_mask(batch.ancestors, lengths, max(pasts) + n, backbone.dtype)
+    h, mid = _layers(backbone, backbone.embed_tokens(batch.tokens), start=0, position_ids=batch.depths + lengths[:, None],
+                     mask=mask, cache=cache, capture=capture, top=max(pasts) + n)
+    return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), batch.sizes)
 
 
 def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
@@ -188,10 +188,10 @@ def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], d
         saved = [rest[b, : s - m] if h is None else torch.cat([h, rest[b, : s - m]])
                  for b, (h, s, m) in enumerate(zip(saved, sizes, ran))]
     h = torch.stack([torch.cat([x, x.new_zeros(n - x.shape[0], x.shape[1])]) for x in saved])   # (B, n, H)
-    positions = _padded([d.tree.depths for d in drafts], n, dev) + torch.tensor(pasts, device=dev)[:, None]
-    mask = batch_mask(ancestors, pasts, n, backbone.dtype)
-    h, mid = _layers(backbone, h, start=E, position_ids=positions, mask=mask, cache=cache, capture=capture,
-                     top=max(pasts) + n)
+    batch, lengths = StepBatch.of(drafts, n, dev), torch.tensor(pasts, device=dev)
+    mask = tree_mask(batch.ancestors, lengths, max(pasts) + n, backbone.dtype)
+    h, mid = _layers(backbone, h, start=E, position_ids=batch.depths + lengths[:, None], mask=mask, cache=cache,
+                     capture=capture, top=max(pasts) + n)
     return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
 
 

@@ -60,6 +60,33 @@ class Draft:
         return self.q_index if self.q_index is not None else (self.tree.depths - 1).clamp(min=0)
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's trees as a verify pass reads them, padded in this one place: draft i at row ``rows[i]`` of
+    ``batch`` rows, n nodes each. A padding node (and every node of a row no draft fills) is token 0 at
+    depth 0 and sees itself only, so it reads nothing real and nothing reads it."""
+
+    tokens: torch.Tensor      # (batch, n) long
+    depths: torch.Tensor      # (batch, n) long
+    ancestors: torch.Tensor   # (batch, n, n) bool
+    sizes: list[int]          # each draft's real nodes (drafts' order)
+
+    @classmethod
+    def of(cls, drafts: list["Draft"], n: int, device, *, rows: list[int] | None = None,
+           batch: int | None = None) -> "StepBatch":
+        rows = list(range(len(drafts))) if rows is None else rows
+        B = len(drafts) if batch is None else batch
+        tokens = torch.zeros(B, n, dtype=torch.long, device=device)
+        depths = torch.zeros(B, n, dtype=torch.long, device=device)
+        ancestors = torch.eye(n, dtype=torch.bool, device=device).repeat(B, 1, 1)
+        for b, d in zip(rows, drafts, strict=True):
+            m = d.tree.size
+            tokens[b, :m] = d.tokens
+            depths[b, :m] = d.tree.depths
+            ancestors[b, :m, :m] = d.tree.ancestors
+        return cls(tokens=tokens, depths=depths, ancestors=ancestors, sizes=[d.tree.size for d in drafts])
+
+
 @dataclass
 class TargetOut:
     logits: torch.Tensor   # (n, V) target logits after each node

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.tree import additive_mask
+from .stacked import decoding, stacked
 
 FEATURE_NORMS = ("", "concat", "per_layer")
 
@@ -73,22 +74,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _inference() -> bool:
-    """Whether a call may use ``_stacked`` weights: eager and without autograd (training and compiled passes read
-    the projections one by one; inductor fuses them itself)."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-
-def _stacked(module: nn.Module, *linears: nn.Linear) -> torch.Tensor:
-    """The weights of ``linears`` (no bias) stacked, so that one product computes all of them: kept on ``module``
-    and made again whenever one of the weights changes (moved, reloaded or trained in place)."""
-    key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
-    if module.__dict__.get("_stacked_key") != key:
-        module.__dict__["_stacked_weight"] = torch.cat([lin.weight for lin in linears])
-        module.__dict__["_stacked_key"] = key
-    return module.__dict__["_stacked_weight"]
-
-
 def _norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` without the module call."""
     return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
@@ -107,9 +92,10 @@ class EagleAttention(nn.Module):
         """(B, n, 2H) -> q (B, nh, n, d), k and v (B, nkv, n, d), rotary applied to q and k."""
         B, n, _ = x.shape
         cos, sin = position_embeddings
-        if _inference():   # one product for q, k and v, and one rotation for q and k, in (B, n, heads, d)
+        if decoding():   # one product for q, k and v, and one rotation for q and k, in (B, n, heads, d)
             nh, nkv = self.num_heads, self.num_kv_heads
-            y = F.linear(x, _stacked(self, self.q_proj, self.k_proj, self.v_proj)).view(B, n, nh + 2 * nkv, self.head_dim)
+            w = stacked(self, "qkv", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            y = F.linear(x, w).view(B, n, nh + 2 * nkv, self.head_dim)
             qk = _rotate(y[:, :, : nh + nkv], cos[:, :, None], sin[:, :, None])
             return qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), y[:, :, nh + nkv:].transpose(1, 2)
         q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
@@ -135,8 +121,8 @@ class EagleMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _inference():   # gate and up in one product
-            gate, up = F.linear(x, _stacked(self, self.gate_proj, self.up_proj)).chunk(2, dim=-1)
+        if decoding():   # gate and up in one product
+            gate, up = F.linear(x, stacked(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -23,22 +23,11 @@ import torch
 from ..core.backbone import Backbone
 from ..core.cache import KVCache, SlotWriter, StaticStorage, move_slots, path_slots
 from ..core.decode import _layers, prefill_rows, row_outputs
-from ..core.tree import build_tree
-from ..core.types import Draft, TargetOut
+from ..core.tree import build_tree, tree_mask
+from ..core.types import Draft, StepBatch, TargetOut
 from .static import BUCKETS, StaticFunction, bucket
 
 CAPACITY_ROUND = 256        # static caches are sized in multiples of this
-
-
-def static_mask(ancestors: torch.Tensor, lengths: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive (B, 1, n, capacity) mask: row b's queries see its slots [0, lengths[b]) and, among
-    its n new slots starting at lengths[b], those ``ancestors[b]`` (B, n, n) allows."""
-    n = ancestors.shape[-1]
-    rel = torch.arange(capacity, device=lengths.device)[None] - lengths[:, None]          # (B, C)
-    in_tree = (rel >= 0) & (rel < n)
-    tree = ancestors.gather(2, rel.clamp(0, n - 1)[:, None].expand(-1, n, -1)) & in_tree[:, None]
-    vis = (rel < 0)[:, None] | tree                                                        # (B, n, C)
-    return torch.where(vis, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
 
 
 class StaticStep:
@@ -111,7 +100,7 @@ class StaticStep:
         B, n = tokens.shape
         slots = lengths[:, None] + torch.arange(n, device=tokens.device)                    # (B, n)
         rows = torch.arange(B, device=tokens.device)[:, None].expand(B, n)
-        mask = static_mask(ancestors, lengths, keys[0].shape[2], bb.dtype)
+        mask = tree_mask(ancestors, lengths, keys[0].shape[2], bb.dtype)
         h, mid = _layers(bb, bb.embed_tokens(tokens), start=0, position_ids=lengths[:, None] + depths, mask=mask,
                          cache=SlotWriter(keys, values, rows, slots), capture=capture)
         return bb.final_norm(h), mid
@@ -134,19 +123,12 @@ class StaticStep:
         if max(lens) + n > cache.capacity:
             raise ValueError(f"the static KV cache holds {cache.capacity} positions; this step needs "
                              f"{max(lens) + n}: reserve more")
-        tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
-        depths = torch.zeros(B, n, dtype=torch.long, device=dev)
-        anc = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)
-        for b, d in zip(rows, drafts):
-            m = d.tree.size
-            tokens[b, :m] = d.tokens.to(dev)
-            depths[b, :m] = d.tree.depths.to(dev)
-            anc[b, :m, :m] = d.tree.ancestors.to(dev)
-        normed, mid = self._forward(cache.keys, cache.values, tokens, depths, anc,
+        batch = StepBatch.of(drafts, n, dev, rows=rows, batch=B)   # (idle rows: padding trees)
+        normed, mid = self._forward(cache.keys, cache.values, batch.tokens, batch.depths, batch.ancestors,
                                     torch.tensor(lens, device=dev), tuple(capture))
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):
                 layer[b] = lens[b] + n if b in live else layer[b]
         # The LM head outside the graph, on real nodes only (as eagerly): padding never pays for it.
-        return row_outputs(backbone, normed, mid, rows, [d.tree.size for d in drafts])
+        return row_outputs(backbone, normed, mid, rows, batch.sizes)
