@@ -63,6 +63,17 @@ class Tree:
             node = parents[node]
         return tuple(reversed(walk))
 
+    @functools.cached_property
+    def table_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each non-root node's candidate sits in a table of one row per depth, one column per rank:
+        (depth - 1, rank), (n - 1,) each (a drafter that drafts one distribution per depth lays it out so)."""
+        return self.depths[1:] - 1, self.ranks[1:]
+
+    @functools.cached_property
+    def path_weights(self) -> torch.Tensor:
+        """(n, n) float ancestors: ``path_weights @ log f`` sums a per-node log factor along each node's path."""
+        return self.ancestors.float()
+
     @property
     def size(self) -> int:
         return self.parents.shape[0]
@@ -81,9 +92,11 @@ class Tree:
 
     def attention_mask(self, past_len: int, *, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
         """Additive mask (1, 1, n_rows, past_len + n): every node sees the whole past and its own ancestors."""
-        anc = self.ancestors[rows]
-        visible = torch.cat([torch.ones(anc.shape[0], past_len, dtype=torch.bool, device=anc.device), anc], dim=1)
-        return additive_mask(visible, dtype)
+        kept = self.__dict__.setdefault("_additive", {})   # the tree's part, per dtype (a shipped tree's, every step)
+        if dtype not in kept:
+            kept[dtype] = additive_mask(self.ancestors, dtype)[0, 0]
+        tree = kept[dtype][rows]
+        return torch.cat([tree.new_zeros(tree.shape[0], past_len), tree], dim=1)[None, None]
 
     def position_ids(self, past_len: int) -> torch.Tensor:
         """(1, n): the root sits at ``past_len``, a node at depth d at ``past_len + d``."""

@@ -57,8 +57,8 @@ def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
     Medusa and early exit draft one distribution per depth (Medusa's head d, or the chain node at
     depth d - 1), so row d - 1 is the q a depth-d node was drawn from (``Draft.q_rows``' default).
     """
-    body = cand[tree.depths[1:] - 1, tree.ranks[1:]]
-    return torch.cat([torch.tensor([root], device=body.device, dtype=body.dtype), body])
+    body = cand[tree.table_index]
+    return torch.cat([body.new_full((1,), root), body])
 
 
 def prior_path_p(tree: Tree) -> torch.Tensor:
@@ -71,9 +71,8 @@ def prior_path_p(tree: Tree) -> torch.Tensor:
 def layout_path_p(tree: Tree, conf: torch.Tensor) -> torch.Tensor:
     """(n,) each node's path probability, from ``conf`` (R, width) laid out as ``layout`` lays out
     candidates (node at depth d and rank r: conf[d - 1, r]); the root's is 1."""
-    c = torch.ones(tree.size, dtype=torch.float32, device=conf.device)
-    c[1:] = conf[tree.depths[1:] - 1, tree.ranks[1:]].float()
-    return (tree.ancestors.to(conf.device).float() @ c.clamp(min=1e-30).log()).exp()
+    c = torch.cat([conf.new_ones(1, dtype=torch.float32), conf[tree.table_index].float()])
+    return (tree.path_weights.to(conf.device) @ c.clamp(min=1e-30).log()).exp()
 
 
 def check_threshold(threshold: float) -> float:
