@@ -125,10 +125,10 @@ def test_a_hold_carries_over_to_the_next_generate_call():
     assert _feed(b, 5, spec_rate=0.5, plain_rate=1.0) == [False] * 5
 
 
-@pytest.mark.parametrize("spec_rate, probe", [(0.5, 2), (0.85, 4), (0.97, Backoff.WINDOW)])
-def test_a_probe_that_clearly_loses_ends_early(spec_rate, probe):
-    """Once drafting is off, each probe drafts 2 steps where it clearly loses (half the plain rate), 4 where
-    it loses by more than a tenth, and a whole window where it is close: what a drafter that never pays costs."""
+@pytest.mark.parametrize("spec_rate, longest", [(0.5, 2), (0.85, Backoff.WINDOW), (0.97, Backoff.WINDOW)])
+def test_a_probe_that_loses_ends_within_a_window(spec_rate, longest):
+    """Once drafting is off, each probe drafts 2 steps where it clearly loses (half the plain rate) and at most a
+    window where it is close: what a drafter that never pays costs, a few percent at most."""
     done = _feed(Backoff(), 2000, spec_rate=spec_rate, plain_rate=1.0)
     runs, n = [], 0
     for drafted in done[200:]:
@@ -137,4 +137,40 @@ def test_a_probe_that_clearly_loses_ends_early(spec_rate, probe):
         elif n:
             runs.append(n)
             n = 0
-    assert runs and set(runs) == {probe}, runs
+    assert runs and max(runs) <= longest, runs
+    assert sum(1 / spec_rate if d else 1.0 for d in done) < 1.05 * len(done)
+
+
+def _feed_noisy(backoff: Backoff, steps: int, tokens: dict[int, float], cost: float, seed: int = 0) -> list[bool]:
+    """As ``_feed``, but a drafted step commits a random number of tokens (``tokens``: count -> chance, as a
+    sampled step's acceptance varies) and takes ``cost`` plain steps' time; a plain step takes 1 second."""
+    import random
+
+    rng, counts = random.Random(seed), list(tokens)
+    done = []
+    for _ in range(steps):
+        drafted = backoff.draft_now()
+        made = rng.choices(counts, weights=[tokens[c] for c in counts])[0] if drafted else 1
+        backoff.record(1, made, cost if drafted else 1.0, drafted)
+        done.append(drafted)
+    return done
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drafting_that_pays_on_average_survives_its_unlucky_steps(seed):
+    """Sampled acceptance varies step to step: here a drafted step commits 1 to 4 tokens (2.05 on average, 1 in
+    45% of steps) for 1.6 plain steps' time, 1.28x the plain rate. Runs of steps that accept nothing are
+    common; judged on them alone, drafting would be off most of the time. It stays on."""
+    done = _feed_noisy(Backoff(), 2000, {1: 0.45, 2: 0.2, 3: 0.2, 4: 0.15}, cost=1.6, seed=seed)
+    assert sum(done[50:]) > 0.9 * len(done[50:])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_drafting_that_loses_is_turned_off(seed):
+    """A drafted step commits 1 to 3 tokens (1.5 on average) for 1.8 plain steps' time: 0.83x the plain rate,
+    whatever its lucky runs. Drafting ends up mostly off, and costs a few percent at most."""
+    done = _feed_noisy(Backoff(), 2000, {1: 0.6, 2: 0.3, 3: 0.1}, cost=1.8, seed=seed)
+    assert sum(done[300:]) < 0.1 * len(done[300:])
+    made = 1.5 * sum(done) + (len(done) - sum(done))
+    spent = 1.8 * sum(done) + (len(done) - sum(done))
+    assert made / spent > 0.97

@@ -9,14 +9,18 @@ loop asks ``Backoff.draft_now`` before each step and reports each step's committ
 * it measures plain steps now and then (``PLAIN_PROBE`` of them every ``RECHECK`` steps, and first
   after ``WINDOW`` speculative ones), so that it knows the rate to beat on this machine at this
   context length;
-* after each ``WINDOW`` speculative steps it compares their rate (their tokens over their seconds: a
-  drafter whose gains come in bursts, as a lookup's do, is judged by what the bursts add up to, not by
-  its typical step) with the plain one; where speculation does not beat it by ``MARGIN``, it turns
-  drafting off for ``hold`` steps, then probes again; each failed probe doubles ``hold`` (up to
-  ``MAX_HOLD``), a probe that pays resets it. A hold carries over to the next ``generate`` call.
-* a window that clearly loses ends early (``EARLY``: after 2 steps below 0.75 of the plain rate, or 4
-  below 0.9), so a drafter that never pays on this machine (a draft model or early exit where their
-  layers are dear) spends a probe's 2 steps, not 8, each time it is tried again.
+* after 2 and 4 speculative steps, then every ``WINDOW``, it compares their rate (tokens over seconds, over
+  up to the last ``MEMORY`` of them: a drafter whose gains come in bursts, as a lookup's do, is judged by
+  what the bursts add up to, not by its typical step) with the plain one. The tokens a step commits vary
+  (sampling most of all: two steps in a row that accept nothing are common even where drafting pays), so
+  it judges the rate the steps would have made with ``Z`` standard errors more tokens (their spread
+  pooled over every speculative step it has seen, from a prior of ``SPREAD`` tokens): where even that
+  does not beat plain steps by ``MARGIN`` (after 2 or 4 steps: reach ``EARLY`` of them, a clear loss),
+  it turns drafting off for ``hold`` steps, then probes again; each failed probe doubles ``hold`` (up
+  to ``MAX_HOLD``), each window that pays halves it back. A hold carries over to the next ``generate`` call.
+  So a drafter that never pays on this machine (a draft model or early exit where their layers are
+  dear) spends a short probe each time it is tried again, and one that pays on average keeps drafting
+  through its unlucky steps.
 
 A plain step is what ``NoDrafter`` does (the pending token alone), and the drafter still commits it
 (its state follows every committed token), so the back-off only changes what is drafted: greedy
@@ -33,21 +37,26 @@ from ..core.clock import now
 
 
 class Backoff:
-    WINDOW = 8          # speculative steps judged together (their tokens over their seconds)
+    WINDOW = 8          # speculative steps between judgements (after the first 2 and 4) ...
+    MEMORY = 32         # ... of up to this many of the latest (their tokens over their seconds)
     PLAIN_PROBE = 2     # plain steps that measure the rate to beat
     RECHECK = 64        # while speculation pays, the plain rate is measured again this often
     MARGIN = 0.03       # speculation must beat plain steps by this share to stay on
     FIRST_HOLD, MAX_HOLD = 16, 512   # steps drafting stays off after a failed probe (doubling)
-    EARLY = {2: 0.75, 4: 0.9}        # a window of n steps below this share of the plain rate fails at once
+    EARLY = {2: 0.75, 4: 0.9}        # after this many steps, a probe below this share of the plain rate fails
+    Z = 1.0             # the benefit of the doubt: standard errors of the steps' tokens added before judging
+    SPREAD = 1.0        # the spread (standard deviation) of a step's tokens assumed before any is seen
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.began = 0.0                  # when the step being run began (``draft_now``)
         self.plain: deque = deque(maxlen=2 * self.PLAIN_PROBE)   # (tokens a row, seconds) of recent plain steps
-        self.spec: deque = deque(maxlen=self.WINDOW)              # ... of the speculative steps being judged
+        self.spec: deque = deque(maxlen=self.MEMORY)              # ... of the speculative steps being judged
+        self.seen = (0, 0.0, 0.0)         # every speculative step's tokens: count, mean, sum of squared deviations
         self.hold = self.FIRST_HOLD
         self.plan: deque = deque()        # the coming steps' modes (True: draft), when one is set
         self.since_plain = 0              # speculative steps since the plain rate was last measured
+        self.since_judged = 0             # speculative steps since the last judgement
         self.skip_first = True            # a decode's first step pays one-off costs: not counted
 
     def draft_now(self) -> bool:
@@ -70,28 +79,51 @@ class Backoff:
             self.plain.append((1.0, seconds))
             return
         self.spec.append((tokens / rows, seconds))
+        self._count(tokens / rows)
         self.since_plain += 1
+        self.since_judged += 1
         if self.plan:
             return
         if not self.plain or self.since_plain >= self.RECHECK:   # measure the rate to beat
             self.plan.extend([False] * self.PLAIN_PROBE)
             self.since_plain = 0
             return
-        n, share = len(self.spec), _rate(self.spec) / max(_rate(self.plain), 1e-9)
-        if n < self.WINDOW and share >= self.EARLY.get(n, 0.0):
+        n = len(self.spec)
+        early = self.EARLY.get(n) if n < self.WINDOW else None   # (a probe's, or a decode's, first steps)
+        if early is None and self.since_judged < self.WINDOW:
             return
-        if share < (1 + self.MARGIN):
+        if early is None:
+            self.since_judged = 0
+        steps = sum(t for t, _ in self.spec) + self.Z * self.spread() * n ** 0.5   # the benefit of the doubt
+        share = steps / max(sum(s for _, s in self.spec), 1e-9) / max(_rate(self.plain), 1e-9)
+        if share < (early if early is not None else 1 + self.MARGIN):
             self.plan.extend([False] * self.hold)                 # off for a while, then probe again
             self.hold = min(2 * self.hold, self.MAX_HOLD)
-        else:
-            self.hold = self.FIRST_HOLD
-        self.spec.clear()
+            self.spec.clear()
+            self.since_judged = 0
+        elif early is None:   # paid: the next failed probe's hold is halved back (one lucky window is not proof)
+            self.hold = max(self.FIRST_HOLD, self.hold // 2)
+
+    def _count(self, tokens: float) -> None:
+        """Pool one speculative step's tokens into ``seen`` (Welford's running mean and squared deviations)."""
+        n, mean, m2 = self.seen
+        n += 1
+        delta = tokens - mean
+        mean += delta / n
+        self.seen = (n, mean, m2 + delta * (tokens - mean))
+
+    def spread(self) -> float:
+        """The standard deviation of a speculative step's tokens: every step seen, with one step's worth of
+        the prior ``SPREAD`` (so a handful of equal steps does not read as certainty)."""
+        n, _, m2 = self.seen
+        return ((m2 + self.SPREAD ** 2) / max(n, 1)) ** 0.5
 
     def start(self) -> None:
         """A new decode: what was learned stays (the machine and drafter have not changed), and so does a hold
         in progress (short generations would otherwise each pay a probe); its first step is not counted."""
         self.skip_first = True
         self.spec.clear()
+        self.since_judged = 0
 
 
 def _rate(steps) -> float:
