@@ -6,9 +6,9 @@ drafter (a draft model or early exit spends most of a plain step drafting) and t
 loop asks ``Backoff.draft_now`` before each step and reports each step's committed tokens after it
 (``observe``); the back-off times the step between the two itself and compares the two rates as it goes:
 
-* it measures plain steps now and then (``PLAIN_PROBE`` of them every ``RECHECK`` steps, and first
-  after ``WINDOW`` speculative ones), so that it knows the rate to beat on this machine at this
-  context length;
+* it measures plain steps now and then (``PLAIN_PROBE`` of them after the first speculative step it
+  counts, then every ``RECHECK``), so that it knows the rate to beat on this machine at this context
+  length;
 * after 2 and 4 speculative steps, then every ``WINDOW``, it compares their rate (tokens over seconds, over
   up to the last ``MEMORY`` of them: a drafter whose gains come in bursts, as a lookup's do, is judged by
   what the bursts add up to, not by its typical step) with the plain one. The tokens a step commits vary
@@ -89,7 +89,7 @@ class Backoff:
             self.since_plain = 0
             return
         n = len(self.spec)
-        early = self.EARLY.get(n) if n < self.WINDOW else None   # (a probe's, or a decode's, first steps)
+        early = self.EARLY.get(n)   # (only a probe's, or a decode's, first steps: ``spec`` is cleared then)
         if early is None and self.since_judged < self.WINDOW:
             return
         if early is None:
