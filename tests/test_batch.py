@@ -606,7 +606,7 @@ class _CyclingWidths:
     def width(self, chances, widest, rows=None):
         self.steps += 1
         w = 1 + self.steps % widest
-        self.cut += sum(int(c.numel() >= w) for c in chances)   # rows that lose nodes this step
+        self.cut += sum(int(len(c) >= w) for c in chances)   # rows that lose nodes this step
         return w
 
     def level_pays(self, chances, children, *, rows, widest, running):
@@ -637,7 +637,7 @@ class _OneNode(_CyclingWidths):
 
     def width(self, chances, widest, rows=None):
         self.steps += 1
-        self.cut += sum(int(c.numel() >= 2) for c in chances)
+        self.cut += sum(int(len(c) >= 2) for c in chances)
         return 2
 
 

@@ -15,7 +15,7 @@ from selfspec.core.sampling import SamplingParams
 from selfspec.core.tree import build_tree, chain
 from selfspec.core.types import DecodeState, Draft, Resume
 from selfspec.drafters import LookupDrafter
-from selfspec.drafters.base import layout_path_p, prior_path_p
+from selfspec.drafters.base import layout_path_p, prior_chance
 from selfspec.drafters.lookup import with_lookup
 from selfspec.model import SelfSpeculativeModel
 from selfspec.runtime.width import VerifyCost, best_width, level_pays, path_p, trim, verify_cost
@@ -98,7 +98,7 @@ def test_trim_breaks_ties_by_node_order_so_parents_stay():
 
 def test_nodes_without_probabilities_get_the_copy_prior_and_copies_extend_the_draft_s_own():
     tree = build_tree(((0,), (0, 0), (1,)))
-    prior = prior_path_p(tree).tolist()
+    prior = [prior_chance(d) for d in tree.depths.tolist()]
     assert prior == pytest.approx([1.0, COPY_ACCEPT_FIRST, COPY_ACCEPT_FIRST * COPY_ACCEPT_NEXT, COPY_ACCEPT_FIRST])
     conf = torch.tensor([[0.9, 0.05], [0.5, 0.1]])   # (depth, rank) as a Medusa layout holds them
     assert layout_path_p(tree, conf).tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05])
@@ -115,7 +115,7 @@ def test_nodes_without_probabilities_get_the_copy_prior_and_copies_extend_the_dr
     first, nxt = COPY_ACCEPT_BY_MATCH[0]
     assert grafted.tokens.tolist() == [8, 9, 3, 5, 6, 1]
     assert grafted.path_p.tolist() == pytest.approx(prior + [first, first * nxt])
-    assert path_p(Draft(tree=tree, tokens=torch.arange(4))).tolist() == pytest.approx(prior)
+    assert path_p(Draft(tree=tree, tokens=torch.arange(4))) == pytest.approx(prior)
 
 
 class _Timed(VerifyCost):

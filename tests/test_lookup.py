@@ -120,19 +120,19 @@ def test_a_copied_chain_through_drafted_nodes_keeps_its_own_chance_when_greedy()
     prior = (0.9, 0.8)
     # Without agreement (sampling) the chain inherits the drafted nodes' chances: 0.2, 0.1, then 0.1 * 0.8.
     old = grafted_path_p(draft, tree, toks, [10, 12, 13], prior)
-    assert old.tolist() == pytest.approx([1.0, 0.2, 0.5, 0.1, 0.08])
+    assert old == pytest.approx([1.0, 0.2, 0.5, 0.1, 0.08])
     # Greedy: a node both sources propose gets the larger chance, and the copy below builds on it.
     new = grafted_path_p(draft, tree, toks, [10, 12, 13], prior, agree=True)
-    assert new.tolist() == pytest.approx([1.0, 0.9, 0.5, 0.72, 0.576])
+    assert new == pytest.approx([1.0, 0.9, 0.5, 0.72, 0.576])
     # A drafted node more confident than the copy keeps its own chance.
     sure = Draft(tree=draft.tree, tokens=draft.tokens, path_p=torch.tensor([1.0, 0.95, 0.02, 0.9]))
     both = grafted_path_p(sure, tree, toks, [10, 12, 13], prior, agree=True)
-    assert both.tolist() == pytest.approx([1.0, 0.95, 0.02, 0.9, 0.72])
+    assert both == pytest.approx([1.0, 0.95, 0.02, 0.9, 0.72])
     # A copy that branches off where the draft proposed another child: the prior from there on.
     merged, toks2 = graft(paths, tokens, [10, 20, 21])
     tree2 = build_tree(merged)
     off = grafted_path_p(draft, tree2, toks2, [10, 20, 21], prior, agree=True)
-    assert off.tolist() == pytest.approx([1.0, 0.9, 0.5, 0.1, 0.72, 0.576])
+    assert off == pytest.approx([1.0, 0.9, 0.5, 0.1, 0.72, 0.576])
     for t, p in ((tree, new), (tree, both), (tree2, off)):   # no child outscores its parent
         parents = t.parents.tolist()
         assert all(p[i] <= p[parents[i]] for i in range(1, t.size))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import chi2_check
 
-from selfspec.core.accept import rejection_accept_chain, rejection_accept_tree
+from selfspec.core.accept import point_accept_tree, rejection_accept_chain, rejection_accept_tree
 from selfspec.core.sampling import SamplingParams, probs_from_logits
 from selfspec.core.tree import build_tree, chain, prune
 
@@ -107,41 +107,50 @@ def _row_conf(q_row: torch.Tensor, token: int) -> float:
     return float(q_row.max())
 
 
+def _count(step, root: int) -> dict:
+    """Counts of the first L tokens of N sequences, each grown from ``root`` by speculative steps:
+    ``step(prev)`` -> the tokens one step commits after token ``prev``."""
+    counts = {}
+    for _ in range(N):
+        seq, prev = [], root
+        while len(seq) < L:
+            seq.extend(step(prev))
+            prev = seq[-1]
+        key = tuple(seq[:L])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def _tree_sequences(P, Q, root, gen, *, threshold: float = 0.0, conf=_row_conf):
     """Each node's children are drawn without replacement from Q[node token], in rank order.
 
     threshold > 0: then the tree is cut with ``tree.prune`` on conf(parent's q row, node token),
     as the drafters do each step, and only the kept nodes are verified."""
     full = build_tree(TREE)
-    counts = {}
-    for _ in range(N):
-        seq, prev = [], root
-        while len(seq) < L:
-            tokens = [prev]
-            draws = {}
-            tree = full
-            for i in range(1, tree.size):
-                parent = int(tree.parents[i])
-                if parent not in draws:
-                    width = len(tree.children[parent])
-                    draws[parent] = torch.multinomial(Q[tokens[parent]], width, replacement=False, generator=gen).tolist() \
-                        if int((Q[tokens[parent]] > 0).sum()) >= width else None
-                cand = draws[parent]
-                tokens.append(cand[int(tree.ranks[i])] if cand else tokens[parent])
-            if threshold > 0:
-                node_conf = torch.tensor([1.0] + [conf(Q[tokens[int(full.parents[i])]], tokens[i])
-                                                  for i in range(1, full.size)])
-                kept = prune(full, node_conf, threshold)
-                tree = build_tree(kept)
-                tokens = [tokens[0]] + [tokens[full.paths.index(p) + 1] for p in kept]
-            tok = torch.tensor(tokens)
-            p, q = P[tok], Q[tok]
-            acc = rejection_accept_tree(tree, tok, p, q, tree.parents.clamp(min=0), generator=gen)
-            seq.extend([tokens[i] for i in acc.path[1:]] + [acc.bonus])
-            prev = seq[-1]
-        key = tuple(seq[:L])
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+
+    def step(prev):
+        tokens = [prev]
+        draws = {}
+        tree = full
+        for i in range(1, tree.size):
+            parent = int(tree.parents[i])
+            if parent not in draws:
+                width = len(tree.children[parent])
+                draws[parent] = torch.multinomial(Q[tokens[parent]], width, replacement=False, generator=gen).tolist() \
+                    if int((Q[tokens[parent]] > 0).sum()) >= width else None
+            cand = draws[parent]
+            tokens.append(cand[int(tree.ranks[i])] if cand else tokens[parent])
+        if threshold > 0:
+            node_conf = torch.tensor([1.0] + [conf(Q[tokens[int(full.parents[i])]], tokens[i])
+                                              for i in range(1, full.size)])
+            kept = prune(full, node_conf, threshold)
+            tree = build_tree(kept)
+            tokens = [tokens[0]] + [tokens[full.paths.index(p) + 1] for p in kept]
+        tok = torch.tensor(tokens)
+        acc = rejection_accept_tree(tree, tok, P[tok], Q[tok], tree.parents.clamp(min=0), generator=gen)
+        return [tokens[i] for i in acc.path[1:]] + [acc.bonus]
+
+    return _count(step, root)
 
 
 @pytest.mark.parametrize("params", PARAMS[:3], ids=["t1", "t0.6", "t1.4-p0.8"])
@@ -189,3 +198,66 @@ def test_tree_with_single_children_equals_chain_rule():
         assert acc.num_accepted == n
         if n == 3:
             assert acc.bonus == nxt
+
+
+def _point_sequences(P, Q, root, gen, *, accept=None):
+    """Each node's children are Q's top candidates after the node's token, chosen without a draw (the
+    drafters' trees when sampling with point masses); a lookup-like duplicate sibling is grafted under the
+    root. ``accept``: the rule under test (default ``point_accept_tree``)."""
+    accept = accept or point_accept_tree
+    tree = build_tree(TREE + ((3,),))
+
+    def step(prev):
+        tokens = [prev]
+        for i in range(1, tree.size):
+            rank, top = int(tree.ranks[i]), Q[tokens[int(tree.parents[i])]].topk(3).indices.tolist()
+            tokens.append(top[rank] if rank < 3 else top[0])   # rank 3: a duplicate of rank 0
+        tok = torch.tensor(tokens)
+        acc = accept(tree, tok, P[tok], generator=gen)
+        return [tokens[i] for i in acc.path[1:]] + [acc.bonus]
+
+    return _count(step, root)
+
+
+@pytest.mark.parametrize("params", PARAMS[:3], ids=["t1", "t0.6", "t1.4-p0.8"])
+def test_point_mass_tree_sampling_is_lossless(params):
+    P, Q = _toy(2, params)
+    gen = torch.Generator().manual_seed(7)
+    _assert_matches(_point_sequences(P, Q, 1, gen), _exact(P, 1), N)
+
+
+def _point_bonus_from_p(tree, tokens, p, *, generator):
+    """Planted bug: where every child is rejected, draw the bonus from p, rejected tokens included."""
+    acc = point_accept_tree(tree, tokens, p, generator=generator)
+    if acc.path == (0,) and tree.size > 1:
+        bonus = int(torch.multinomial(p[0], 1, generator=generator))
+        return type(acc)(path=(0,), bonus=bonus, tokens=(bonus,))
+    return acc
+
+
+def test_point_mass_check_catches_a_bonus_drawn_from_p():
+    P, Q = _toy(2, PARAMS[0])
+    gen = torch.Generator().manual_seed(7)
+    stat, threshold = chi2_check(_point_sequences(P, Q, 1, gen, accept=_point_bonus_from_p), _exact(P, 1), N)
+    assert stat > threshold
+
+
+def test_point_masses_agree_with_one_hot_rows():
+    """``point_accept_tree`` is ``rejection_accept_tree`` with a one-hot q row per node: the same accepted
+    paths' frequencies on one tree and one p, over many draws."""
+    P, Q = _toy(3, PARAMS[0])
+    tree = build_tree(TREE)
+    tokens = [0]
+    for i in range(1, tree.size):
+        tokens.append(Q[tokens[int(tree.parents[i])]].topk(3).indices.tolist()[int(tree.ranks[i])])
+    tok = torch.tensor(tokens)
+    one_hot = torch.nn.functional.one_hot(tok, V).float()
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    a, b = {}, {}
+    for _ in range(4000):
+        x = point_accept_tree(tree, tok, P[tok], generator=g1).tokens
+        y = rejection_accept_tree(tree, tok, P[tok], one_hot, torch.arange(tree.size), generator=g2).tokens
+        a[x], b[y] = a.get(x, 0) + 1, b.get(y, 0) + 1
+    for key in set(a) | set(b):   # within 5 standard deviations of each other
+        pa, pb = a.get(key, 0) / 4000, b.get(key, 0) / 4000
+        assert abs(pa - pb) <= 5 * ((pa * (1 - pa) + pb * (1 - pb)) / 4000) ** 0.5 + 2e-3, key

@@ -148,3 +148,49 @@ def rejection_accept_tree(
         p_cur = p[node]
     bonus = int(torch.multinomial(p_cur, 1, generator=generator))
     return Accepted(path=tuple(path), bonus=bonus, tokens=(*(toks[i] for i in path[1:]), bonus))
+
+
+def point_accept_tree(tree: Tree, tokens: torch.Tensor, p: torch.Tensor, *,
+                      generator: torch.Generator | None) -> Accepted:
+    """Lossless speculative sampling down a tree whose tokens were chosen without a draw (the draft's
+    top candidates, a copied context): each node's q is a point mass on its own token.
+
+    tokens: (n,); p: (n, V) target probs after each node. At a node, its children are tried in rank
+    order: child x is accepted with probability r(x), r the node's residual, which starts at p and loses
+    each rejected child's token (norm(max(0, r - onehot(x)))): so with p(x_1) .. p(x_j) of the children
+    rejected so far, r(x) = p(x) / (1 - their sum). Each try is ``rejection_accept_tree``'s with a point
+    mass, so the token that leaves the node is distributed exactly as p. Where every child is rejected,
+    the bonus is drawn from the residual; past the last accepted node's children, from its p.
+
+    Reads the host once for every node's chance and uniform, and once for the bonus."""
+    n = tree.size
+    if n == 1:
+        bonus = int(torch.multinomial(p[0], 1, generator=generator))
+        return Accepted(path=(0,), bonus=bonus, tokens=(bonus,))
+    tokens = tokens.to(p.device)
+    chance = p[tree.parents[1:].to(p.device), tokens[1:]]                  # (n - 1,) p of each child at its parent
+    u = torch.rand(n - 1, generator=generator, device=p.device)
+    chance, u, toks = chance.tolist(), u.tolist(), tokens.tolist()
+    path, node, rejected = [0], 0, []
+    while tree.children[node]:
+        rejected, left, nxt = [], 1.0, None
+        for child in tree.children[node]:
+            x = toks[child]
+            if x in rejected:   # a duplicate sibling: its token has no mass left
+                continue
+            if u[child - 1] * left < chance[child - 1]:
+                nxt = child
+                break
+            rejected.append(x)
+            left -= chance[child - 1]
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+        rejected = []
+    dist = p[node]
+    if rejected and left > 1e-6:   # (below: the rejected tokens held all the mass, so rejection had chance 0)
+        dist = dist.clone()
+        dist[rejected] = 0
+    bonus = int(torch.multinomial(dist, 1, generator=generator))
+    return Accepted(path=tuple(path), bonus=bonus, tokens=(*(toks[i] for i in path[1:]), bonus))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from . import cache as kv
-from .accept import Accepted, greedy_accept_rows, rejection_accept_tree
+from .accept import Accepted, greedy_accept_rows, point_accept_tree, rejection_accept_tree
 from .backbone import Backbone
 from .cache import KVCache
 from .clock import now
@@ -265,9 +265,8 @@ def accept(draft: Draft, out: TargetOut, params: SamplingParams, generator: torc
 def _sample_accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> Accepted:
     tokens = draft.tokens.to(logits.device)
     p = probs_from_logits(logits, params)
-    if draft.q is None:  # nothing drafted: a plain sampling step
-        bonus = int(sample(p[0], generator))
-        return Accepted(path=(0,), bonus=bonus, tokens=(bonus,))
+    if draft.q is None:  # every token chosen without a draw (or nothing drafted: a plain sampling step)
+        return point_accept_tree(draft.tree, tokens, p, generator=generator)
     return rejection_accept_tree(draft.tree, tokens, p, draft.q.to(p.device), draft.q_rows().to(p.device),
                                  generator=generator)
 

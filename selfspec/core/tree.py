@@ -33,8 +33,15 @@ class Tree:
     ancestors: torch.Tensor     # (n, n) bool; [i, j] = j is i or an ancestor of i
 
     @functools.cached_property
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(parents, depths, ranks) as Python lists: one read (none for a tree ``build_tree`` made)."""
+        parents, depths, ranks = torch.stack([self.parents, self.depths.to(self.parents.dtype),
+                                              self.ranks.to(self.parents.dtype)]).tolist()
+        return parents, depths, ranks
+
+    @property
     def _parent_list(self) -> list[int]:
-        return self.parents.tolist()
+        return self.lists[0]
 
     @functools.cached_property
     def node_paths(self) -> tuple[tuple[int, ...], ...]:
@@ -44,7 +51,7 @@ class Tree:
     @functools.cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
         """children[i] = node ids, in rank order."""
-        ranks, kids = self.ranks.tolist(), [[] for _ in range(self.size)]
+        ranks, kids = self.lists[2], [[] for _ in range(self.size)]
         for i, p in enumerate(self._parent_list[1:], start=1):
             kids[p].append(i)
         return tuple(tuple(sorted(c, key=lambda j: ranks[j])) for c in kids)
@@ -52,7 +59,7 @@ class Tree:
     @functools.cached_property
     def paths(self) -> tuple[Path, ...]:
         """Node i >= 1 as its path of ranks from the root (``paths[i - 1]``)."""
-        ranks = self.ranks.tolist()
+        ranks = self.lists[2]
         return tuple(tuple(ranks[j] for j in self.path_to(i)[1:]) for i in range(1, self.size))
 
     def path_to(self, node: int) -> tuple[int, ...]:
@@ -152,7 +159,8 @@ def build_tree(paths: tuple[Path, ...], device: str = "cpu") -> Tree:
         ranks.append(p[-1])
     tree = tree_from_parents(torch.tensor(parents, device=torch.device(device)),
                              torch.tensor(ranks, device=torch.device(device)), max_depth=max(depths))
-    tree.__dict__["paths"] = paths   # known already: spare the derivation
+    tree.__dict__["paths"] = paths   # known already: spare the derivation, and the reads
+    tree.__dict__["lists"] = (parents, depths, ranks)
     return tree
 
 

@@ -7,6 +7,7 @@ per row (``accept.Accepted``) and commits it; the drafter then updates its per-r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +59,53 @@ class Draft:
     def q_rows(self) -> torch.Tensor:
         """(n,) the q row each node's token was drawn from (the root's entry is unused)."""
         return self.q_index if self.q_index is not None else (self.tree.depths - 1).clamp(min=0)
+
+    @functools.cached_property
+    def host(self) -> "HostDraft":
+        """What the host reads of this draft (``read_host``: one transfer, kept)."""
+        return read_host([self])[0]
+
+
+@dataclass(frozen=True)
+class HostDraft:
+    """A draft's tokens, tree and path probabilities as Python lists: what a runtime deciding on the host
+    (a width to verify, a graft) reads of it, in one transfer for every row of a step (``read_host``)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    ranks: list[int]
+    path_p: list[float] | None   # None: the draft gives none
+
+
+def read_host(drafts: list[Draft]) -> list[HostDraft]:
+    """Every draft's ``Draft.host``, read from the device in ONE transfer for those not read yet (float32
+    carries token ids exactly: below 2^24)."""
+    todo = [d for d in drafts if "host" not in d.__dict__]
+    if todo:
+        parts = []
+        for d in todo:
+            t, known = d.tree, "lists" in d.tree.__dict__   # (a tree built from paths: its lists are known)
+            parts += [d.tokens] + ([] if known else [t.parents, t.depths, t.ranks]) \
+                + ([] if d.path_p is None else [d.path_p])
+        dev = parts[0].device
+        flat = torch.cat([x.to(device=dev, dtype=torch.float32).reshape(-1) for x in parts]).tolist()
+        at = 0
+
+        def take(n: int) -> list[float]:
+            nonlocal at
+            at += n
+            return flat[at - n: at]
+
+        for d in todo:
+            n = d.tree.size
+            tokens = [int(x) for x in take(n)]
+            if "lists" not in d.tree.__dict__:
+                d.tree.__dict__["lists"] = tuple([int(x) for x in take(n)] for _ in range(3))
+            parents, depths, ranks = d.tree.lists
+            d.__dict__["host"] = HostDraft(tokens, parents, depths, ranks,
+                                           path_p=None if d.path_p is None else take(n))
+    return [d.host for d in drafts]
 
 
 @dataclass(frozen=True)
@@ -154,7 +202,7 @@ class WidthFit(Protocol):
 
     def observe(self, rows: int, width: int) -> None: ...   # the step fitted last is done (the runtime times it)
 
-    def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
+    def level_pays(self, chances: list[list[float]], children: list[list[float]], *, rows: int, widest: int,
                    running: int) -> bool: ...   # one more stage, of ``running`` rows (the runtime times the stages)
 
 

@@ -61,11 +61,10 @@ def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
     return torch.cat([body.new_full((1,), root), body])
 
 
-def prior_path_p(tree: Tree) -> torch.Tensor:
-    """(n,) each node's chance when no draft distribution gives one: the copied-token prior by depth
-    (settings.COPY_ACCEPT_*; root 1)."""
-    d = tree.depths.to(torch.float32)
-    return torch.where(d > 0, COPY_ACCEPT_FIRST * COPY_ACCEPT_NEXT ** (d - 1).clamp(min=0), torch.ones_like(d))
+def prior_chance(depth: int) -> float:
+    """A node's chance when no draft distribution gives one: the copied-token prior at its depth
+    (settings.COPY_ACCEPT_*; the root's 1)."""
+    return 1.0 if depth == 0 else COPY_ACCEPT_FIRST * COPY_ACCEPT_NEXT ** (depth - 1)
 
 
 def layout_path_p(tree: Tree, conf: torch.Tensor) -> torch.Tensor:

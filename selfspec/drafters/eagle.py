@@ -137,14 +137,13 @@ class EagleDrafter(Drafter):
     def use_cost(self, cost: "WidthFit | None", rows: int | None = None) -> None:
         self.cost, self.cost_rows = cost, rows
 
-    def _level_pays(self, drafted: torch.Tensor, children: torch.Tensor, active: list[int]) -> bool:
+    def _level_pays(self, drafted: list[list[float]], children: list[list[float]], active: list[int]) -> bool:
         """Whether one more level, run for the ``active`` rows, is expected to pay on this machine
-        (``WidthFit.level_pays``, which times the levels itself). drafted (R, n): the rows' drafted chances so
-        far; children (R, k): what each row's next level is expected to add (its ``expand`` best nodes'
-        chances times the last level's mean top probability: what a child keeps of its parent's chance)."""
+        (``WidthFit.level_pays``, which times the levels itself). drafted[b]: row b's drafted chances so
+        far; children[b]: what its next level is expected to add (its ``expand`` best nodes' chances times
+        the last level's mean top probability: what a child keeps of its parent's chance)."""
         on = set(active)
-        return self.cost.level_pays([drafted[b] for b in range(len(drafted))],
-                                    [children[b] if b in on else children[b, :0] for b in range(len(children))],
+        return self.cost.level_pays(drafted, [c if b in on else [] for b, c in enumerate(children)],
                                     rows=self.cost_rows or len(drafted), widest=self.max_nodes, running=len(active))
 
     # ------------------------------------------------------------------ the head's own cache
@@ -273,14 +272,15 @@ class EagleDrafter(Drafter):
             top_scores = scores[-1].gather(1, best)
             if reads:   # one read for all rows (on a GPU, one synchronisation)
                 n = sum(x.shape[1] for x in scores) - 1
-                read = torch.cat(scores[1:] + [top_scores, rho.clamp(min=1e-30).log()[:, None]], 1).float().cpu()
+                read = torch.cat(scores[1:] + [top_scores, rho.clamp(min=1e-30).log()[:, None]], 1).float().tolist()
                 if self.threshold > 0:   # every deeper path of a row scores lower still: it drafts no further
-                    active = [b for b in active if float(read[b, n]) >= self.log_threshold]
+                    active = [b for b in active if read[b][n] >= self.log_threshold]
                     if not active:
                         break
                 if self.cost is not None and self.level_stop:
-                    children = (read[:, n:n + k] + read[:, n + k:]).exp()   # best nodes' chances x rho
-                    if not self._level_pays(read[:, :n].exp(), children, active):
+                    drafted = [[math.exp(x) for x in row[:n]] for row in read]
+                    children = [[math.exp(x + row[-1]) for x in row[n:n + k]] for row in read]   # best nodes' x rho
+                    if not self._level_pays(drafted, children, active):
                         break
                 a = torch.tensor(active, device=dev)
             top = start + best                                                                  # (R, k) pool ids

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.tree import Path, Tree, build_tree
-from ..core.types import DecodeState, Draft, Drafter
+from ..core.types import DecodeState, Draft, Drafter, HostDraft
 from ..corpus import Corpus
 from ..settings import (
     COPY_ACCEPT_BY_MATCH,
@@ -53,7 +53,7 @@ from ..settings import (
     COPY_ACCEPT_SAMPLED_NEXT,
     DEFAULT_LOOKUP,
 )
-from .base import check_lookup, prior_path_p
+from .base import check_lookup, prior_chance
 
 MAX_NGRAM = 4    # a match this long or longer is the strongest cue (COPY_ACCEPT_BY_MATCH's last entry)
 MIN_NGRAM = 2    # the shortest match tried before the corpus
@@ -142,7 +142,7 @@ def graft(paths: tuple[Path, ...], tokens: Sequence[int], chain: Sequence[int]) 
 
 
 def grafted_path_p(draft: Draft, tree: Tree, tokens: Sequence[int], chain: Sequence[int], prior: tuple[float, float],
-                   *, agree: bool = False) -> torch.Tensor:
+                   *, agree: bool = False) -> list[float]:
     """(n,) path probabilities of ``tree`` (``draft``'s tree with the copied ``chain`` grafted on;
     ``tokens``: its node tokens): the draft's own for its nodes (the copied-token prior where it has
     none), and for each copied node its parent's times ``prior``'s first chance (under the root) or
@@ -155,16 +155,16 @@ def grafted_path_p(draft: Draft, tree: Tree, tokens: Sequence[int], chain: Seque
     fitting, and the combined drafter would verify less of it than the lookup alone. When sampling
     it stays off: a kept node's score must not depend on the token drawn at it (``runtime/width.py``).
     Either way a node's chance never exceeds its parent's."""
-    n_old = draft.tree.size
-    old = draft.path_p.float() if draft.path_p is not None else prior_path_p(draft.tree).to(draft.tokens.device)
+    n_old, h = draft.tree.size, draft.host
+    old = h.path_p if h.path_p is not None else [prior_chance(d) for d in h.depths]
     first, nxt = prior
-    parents = tree.parents.tolist()
-    out = old.tolist() + [0.0] * (tree.size - n_old)
+    parents = tree.lists[0]
+    out = list(old) + [0.0] * (tree.size - n_old)
     on_chain = chain_nodes(parents, tokens, chain) if agree else []
     for i in sorted(set(range(n_old, tree.size)) | set(on_chain)):
         copy = out[parents[i]] * (first if parents[i] == 0 else nxt)
         out[i] = max(out[i], copy) if i < n_old else copy
-    return torch.tensor(out, device=old.device)
+    return out
 
 
 def chain_nodes(parents: Sequence[int], tokens: Sequence[int], chain: Sequence[int]) -> list[int]:
@@ -193,19 +193,26 @@ def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, co
     if not copied:
         return draft
     tokens = draft.tokens
-    paths, merged = graft(draft.tree.paths, tokens.tolist(), copied)
+    known = draft.host.tokens   # (one read of the draft, its tree's lists with it: ``Draft.host``)
+    paths, merged = graft(draft.tree.paths, known, copied)
     tree = build_tree(paths, str(tokens.device))
-    path_p = grafted_path_p(draft, tree, merged, copied, prior, agree=not state.params.do_sample)
-    merged = torch.tensor(merged, device=tokens.device)
-    if not state.params.do_sample:
-        return Draft(tree=tree, tokens=merged, resume=draft.resume, path_p=path_p)
+    drawn = state.params.do_sample and draft.q is not None   # (q None: every node chosen without a draw)
+    chances = grafted_path_p(draft, tree, merged, copied, prior, agree=not drawn)
+    host = HostDraft(merged, *tree.lists, path_p=chances)   # what the runtime reads of it: known already
+    merged, path_p = torch.tensor(merged, device=tokens.device), torch.tensor(chances, device=tokens.device)
+    if not drawn:
+        out = Draft(tree=tree, tokens=merged, resume=draft.resume, path_p=path_p)
+        out.__dict__["host"] = host
+        return out
     n_old, n_new = draft.tree.size, tree.size - draft.tree.size
     q_old = draft.q if draft.q is not None else torch.zeros(0, vocab_size, device=tokens.device)
     point = torch.zeros(n_new, vocab_size, dtype=q_old.dtype, device=q_old.device)
     point[torch.arange(n_new), merged[n_old:].to(q_old.device)] = 1.0
     rows = torch.cat([draft.q_rows().to(tokens.device),
                       q_old.shape[0] + torch.arange(n_new, device=tokens.device)])
-    return Draft(tree=tree, tokens=merged, q=torch.cat([q_old, point]), q_index=rows, resume=draft.resume, path_p=path_p)
+    out = Draft(tree=tree, tokens=merged, q=torch.cat([q_old, point]), q_index=rows, resume=draft.resume, path_p=path_p)
+    out.__dict__["host"] = host
+    return out
 
 
 class LookupDrafter(Drafter):

@@ -61,9 +61,9 @@ import torch
 from ..core.backbone import Backbone
 from ..core.cache import KVCache
 from ..core.decode import prefill_rows, verify_rows
-from ..core.tree import subtree, tree_from_parents
-from ..core.types import Draft
-from ..drafters.base import prior_path_p
+from ..core.tree import tree_from_parents
+from ..core.types import Draft, HostDraft, read_host
+from ..drafters.base import prior_chance
 from ..core.clock import now
 from .static import BUCKETS, bucket
 
@@ -71,35 +71,43 @@ if TYPE_CHECKING:
     from .step import StaticStep
 
 
-def path_p(draft: Draft) -> torch.Tensor:
-    """(n,) the draft's estimate of each node's chance of being accepted (root 1)."""
-    return draft.path_p.float().cpu() if draft.path_p is not None else prior_path_p(draft.tree).cpu()
+def path_p(draft: Draft) -> list[float]:
+    """(n,) the draft's estimate of each node's chance of being accepted (root 1), on the host
+    (``Draft.host``; without the draft's own, the copied-token prior by depth)."""
+    h = draft.host
+    if h.path_p is not None:
+        return h.path_p
+    return [prior_chance(d) for d in h.depths]
 
 
-def _rates(chances: list[torch.Tensor], cost: list[float], extra: float = 0.0) -> torch.Tensor:
+def _floats(c) -> list[float]:
+    return c.tolist() if isinstance(c, torch.Tensor) else list(c)
+
+
+def _rates(chances: list, cost: list[float], extra: float = 0.0) -> list[float]:
     """rate[w - 1] = sum_b (1 + the w - 1 largest of chances[b]) / (cost[w - 1] + extra), for w = 1 .. the
-    widest the chances fill (at most len(cost))."""
-    top = max((c.numel() for c in chances), default=0)
-    widest = min(top + 1, len(cost))
-    gain = torch.zeros(widest)   # gain[w - 1]: expected tokens of the batch at width w
+    widest the chances fill (at most len(cost)). Host arithmetic on a few dozen numbers."""
+    chances = [sorted(_floats(c), reverse=True) for c in chances]
+    widest = min(max((len(c) for c in chances), default=0) + 1, len(cost))
+    gain = [float(len(chances))] * widest   # gain[w - 1]: expected tokens of the batch at width w
     for c in chances:
-        s = torch.sort(c, descending=True).values[: widest - 1].cumsum(0)
-        gain[1: 1 + s.numel()] += s
-        gain[1 + s.numel():] += s[-1] if s.numel() else 0.0
-    gain += len(chances)
-    return gain / (torch.tensor(cost[:widest], dtype=torch.float32) + extra)
+        total = 0.0
+        for w in range(1, widest):
+            total += c[w - 1] if w - 1 < len(c) else 0.0
+            gain[w] += total
+    return [g / (x + extra) for g, x in zip(gain, cost[:widest])]
 
 
-def best_width(chances: list[torch.Tensor], cost: list[float]) -> int:
+def best_width(chances: list, cost: list[float]) -> int:
     """The width w (1 .. len(cost)) maximising sum_b (1 + the w - 1 largest of chances[b]) / cost[w - 1].
 
     chances[b]: row b's node chances, root excluded; cost[w - 1]: seconds of a pass at width w.
     A pure function; ties go to the narrower width."""
-    return int(torch.argmax(_rates(chances, cost))) + 1   # argmax returns the first maximum: the narrowest
+    rates = _rates(chances, cost)
+    return rates.index(max(rates)) + 1   # the first maximum: the narrowest
 
 
-def level_pays(chances: list[torch.Tensor], children: list[torch.Tensor], cost: list[float], *,
-               spent: float, level: float) -> bool:
+def level_pays(chances: list, children: list, cost: list[float], *, spent: float, level: float) -> bool:
     """Whether drafting one more tree level is expected to raise the step's tokens per second.
 
     chances[b]: row b's drafted nodes' chances so far (root excluded); children[b]: the chances expected
@@ -107,14 +115,14 @@ def level_pays(chances: list[torch.Tensor], children: list[torch.Tensor], cost: 
     seconds drafted so far this step; level: seconds one more level costs. The step's rate is its
     best width's expected tokens over (pass + drafting); the level pays where that rate with the
     children, after paying for the level, beats the rate without them. A pure function."""
-    now = float(_rates(chances, cost, spent).max())
-    after = float(_rates([torch.cat([c, n]) for c, n in zip(chances, children)], cost, spent + level).max())
+    now = max(_rates(chances, cost, spent))
+    after = max(_rates([_floats(c) + _floats(n) for c, n in zip(chances, children)], cost, spent + level))
     return after > now
 
 
-def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:
+def trim(draft: Draft, width: int, p: list[float] | None = None) -> Draft:
     """``draft`` cut to the root and its ``width - 1`` likeliest nodes (ties: shallower, then lower rank,
-    then earlier node first).
+    then earlier node first), decided on the host from ``Draft.host`` (nothing more is read).
 
     A node's chance never exceeds its parent's, and ties go to the shallower, so the kept set is a
     tree; among siblings of equal chance the lower rank (drawn first, when sampling) stays.
@@ -122,20 +130,32 @@ def trim(draft: Draft, width: int, p: torch.Tensor | None = None) -> Draft:
     n = draft.tree.size
     if n <= width or draft.resume is not None:
         return draft
+    h = draft.host
     p = path_p(draft) if p is None else p
-    old = draft.tree
-    depths, ranks = old.depths.tolist(), old.ranks.tolist()
-    order = sorted(range(1, n), key=lambda i: (-float(p[i]), depths[i], ranks[i], i))[: width - 1]
-    keep = torch.tensor([0] + sorted(order), dtype=torch.long, device=old.parents.device)
-    tree = subtree(old.parents, old.ranks, keep, max_depth=int(old.depths[keep].max()))
-    return Draft(tree=tree, tokens=draft.tokens[keep.to(draft.tokens.device)],
-                 q=draft.q, q_index=None if draft.q is None else draft.q_rows()[keep.to(draft.q.device)],
-                 path_p=None if draft.path_p is None else draft.path_p[keep.to(draft.path_p.device)])
+    order = sorted(range(1, n), key=lambda i: (-p[i], h.depths[i], h.ranks[i], i))[: width - 1]
+    keep = [0] + sorted(order)
+    new_id = {old: new for new, old in enumerate(keep)}
+    if any(h.parents[i] not in new_id for i in keep[1:]):
+        raise AssertionError("a kept node's parent was cut: a subtree must be closed under parents")
+    parents, ranks = [-1] + [new_id[h.parents[i]] for i in keep[1:]], [h.ranks[i] for i in keep]
+    dev = draft.tree.parents.device
+    tree = tree_from_parents(torch.tensor(parents, device=dev), torch.tensor(ranks, device=dev),
+                             max_depth=max(h.depths[i] for i in keep))
+    at = torch.tensor(keep, dtype=torch.long, device=draft.tokens.device)
+    cut = Draft(tree=tree, tokens=draft.tokens[at], q=draft.q,
+                q_index=None if draft.q is None else draft.q_rows()[at.to(draft.q.device)],
+                path_p=None if draft.path_p is None else draft.path_p[at.to(draft.path_p.device)])
+    cut.__dict__["host"] = HostDraft(tokens=[h.tokens[i] for i in keep], parents=parents,
+                                     depths=[h.depths[i] for i in keep], ranks=ranks,
+                                     path_p=None if h.path_p is None else [h.path_p[i] for i in keep])
+    return cut
 
 
 def fit_width(drafts: list[Draft], cost: "VerifyCost", widest: int, rows: int | None = None) -> list[Draft]:
     """Every row's draft cut to the width ``cost`` picks for the batch (``VerifyCost.width``); ``rows``:
-    how many rows the pass runs (default: one per draft; a static step also runs its idle rows)."""
+    how many rows the pass runs (default: one per draft; a static step also runs its idle rows). Every
+    row's draft is read from the device in one transfer (``read_host``)."""
+    read_host(drafts)
     chances = [path_p(d) for d in drafts]
     w = cost.width([c[1:] for c in chances], widest, rows)
     return [trim(d, w, c) for d, c in zip(drafts, chances)]
@@ -180,7 +200,7 @@ class VerifyCost:
         self._level: tuple[float, int] | None = None         # the level running: since when, at how many rows
         self._drafting = 0.0                                 # when this step's first level decision came
 
-    def level_pays(self, chances: list[torch.Tensor], children: list[torch.Tensor], *, rows: int, widest: int,
+    def level_pays(self, chances: list, children: list, *, rows: int, widest: int,
                    running: int) -> bool:
         """``level_pays`` priced by this machine's pass at ``rows`` rows (widths up to ``widest``), for a level
         that would run ``running`` rows of the drafter's. The levels are timed here: from one call to the
@@ -210,7 +230,7 @@ class VerifyCost:
         """(rows, width) -> the estimate of a real step's seconds, for every pair seen."""
         return {k: min(v) for k, v in self._seen.items()}
 
-    def width(self, chances: list[torch.Tensor], widest: int, rows: int | None = None) -> int:
+    def width(self, chances: list[list[float]], widest: int, rows: int | None = None) -> int:
         """The width to verify this step for rows with these node ``chances`` (root excluded), in a pass
         of ``rows`` rows (default: one per row of chances): ``best_width`` on this table, except every
         ``EXPLORE_EVERY``-th step at a row count, which takes a neighbour of it (wider, then narrower
@@ -219,7 +239,7 @@ class VerifyCost:
         w = best_width(chances, self.table(rows, widest))
         n = self._steps[rows] = self._steps.get(rows, 0) + 1
         if n % self.EXPLORE_EVERY == 0:
-            top = min(widest, 1 + max((c.numel() for c in chances), default=0))
+            top = min(widest, 1 + max((len(c) for c in chances), default=0))
             choices = sorted({min(self._shape(x), top) for x in range(1, top + 1)})   # widths of distinct cost
             i = next((j for j, c in enumerate(choices) if c >= w), len(choices) - 1)
             w = choices[min(max(i + (1 if (n // self.EXPLORE_EVERY) % 2 else -1), 0), len(choices) - 1)]

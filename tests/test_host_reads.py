@@ -1,0 +1,88 @@
+"""Host reads per decoding step: what a GPU has to wait for.
+
+Each read of a device tensor back to the host (``.tolist()``, ``.item()``, ``int()``/``float()``/``bool()``
+of a tensor, ``.cpu()``, ``.numpy()``, ``nonzero``) stalls the host until the device has caught up. A
+step needs one: the accepted lengths (``accept.greedy_accept_rows``, one read for every row). Width
+fitting decides the pass's shape on the host, so it reads every row's draft once more (``read_host``);
+a lookup graft reads the draft it grafts onto (and then the fitting reads nothing). On the CPU every
+tensor is on the host, so these tests count the calls themselves: any new read in a step shows up here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from selfspec.model import SelfSpeculativeModel, untrained_heads
+
+PROMPT, NEW = 48, 40
+READ_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
+PREFILL_READS = 2   # the prompt's ids and the first token (``decode_rows``, before the steps)
+
+
+class _Reads(TorchDispatchMode):
+    """Counts host reads of tensors while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._saved = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in READ_OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in ("tolist", "cpu", "numpy"):
+            orig = self._saved[name] = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _orig=orig, **k):
+                self.count += 1
+                return _orig(t, *a, **k)
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, orig in self._saved.items():
+            setattr(torch.Tensor, name, orig)
+        return super().__exit__(*exc)
+
+
+def test_the_counter_sees_every_kind_of_read():
+    t = torch.arange(4)
+    with _Reads() as reads:
+        t.tolist(), int(t[1]), float(t[2]), bool(t[0] > 1), t.sum().item(), t.cpu(), t.nonzero()
+    assert reads.count == 7
+
+
+def _reads_per_step(name: str, fit: bool, lookup: int) -> tuple[int, int]:
+    model = tiny_model("llama")
+    kind = {"medusa": "medusa", "eagle": "eagle"}.get(name)
+    heads = untrained_heads(kind, model, "t") if kind else None
+    kw = {} if kind is None else {"lookup": lookup}
+    sm = SelfSpeculativeModel(model, None, drafter_name=name, heads=heads, name="t", fit_width=fit, **kw)
+    # A prompt that repeats itself, so that the lookup finds matches to graft.
+    ids = torch.arange(1, PROMPT + 1)[None] % 17 + 3
+    sm.generate(ids, max_new_tokens=NEW)   # warm-up: width fitting times its prior here
+    with _Reads() as reads:
+        sm.generate(ids, max_new_tokens=NEW)
+    return reads.count - PREFILL_READS, sm.last_stats.steps
+
+
+@pytest.mark.parametrize("name", ["none", "medusa", "eagle"])
+def test_a_step_reads_the_host_once(name, one_thread):
+    """Without fitting or a lookup, every step reads the host once: for the accepted lengths."""
+    reads, steps = _reads_per_step(name, fit=False, lookup=0)
+    assert reads == steps, f"{name}: {reads} host reads in {steps} steps"
+
+
+@pytest.mark.parametrize("name", ["lookup", "medusa", "eagle"])
+def test_fitting_and_grafting_add_one_read_a_step(name, one_thread):
+    """With width fitting and a lookup, a step reads its drafts once more (the graft's read serves the fit),
+    and EAGLE reads each drafted level's scores where fitting prices the levels (at most depth - 1)."""
+    reads, steps = _reads_per_step(name, fit=True, lookup=4)
+    levels = 4 if name == "eagle" else 0   # the EAGLE head's default depth 5: four priced levels at most
+    assert reads <= (2 + levels) * steps, f"{name}: {reads} host reads in {steps} steps"
