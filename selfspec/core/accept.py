@@ -120,7 +120,8 @@ def rejection_accept_tree(
     leaves the node is distributed exactly as the target's p, whichever rows the siblings came
     from. If no child is accepted the bonus token is drawn from the final residual; at a leaf, from p.
     """
-    toks, rows = tokens.tolist(), q_index.tolist()
+    toks, rows = torch.stack([tokens.to(q_index.device), q_index]).tolist()
+    u = torch.rand(tree.size - 1, generator=generator, device=p.device).tolist()   # node i's try: u[i - 1]
     path, node = [0], 0
     p_cur = p[0]
     while tree.children[node]:
@@ -129,18 +130,16 @@ def rejection_accept_tree(
         for child in tree.children[node]:
             r, x = rows[child], toks[child]
             q_cur = left[r] if r in left else q[r]
-            qx = float(q_cur[x])
+            qx, px = torch.stack([q_cur[x].float(), p_cur[x].float()]).tolist()   # (one read a child tried)
             if qx <= 0:  # a padded duplicate, or mass already spent
                 continue
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u < float(p_cur[x]) / qx:
+            if u[child - 1] < px / qx:
                 nxt = child
                 break
             p_cur = _residual(p_cur, q_cur)
             q_cur = q_cur.clone()
             q_cur[x] = 0
-            mass = q_cur.sum()
-            left[r] = q_cur / mass if mass > 0 else q_cur
+            left[r] = q_cur / q_cur.sum().clamp(min=1e-30)   # (all zero stays all zero)
         if nxt is None:
             break
         path.append(nxt)

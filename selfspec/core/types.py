@@ -50,7 +50,7 @@ class Resume:
 class Draft:
     tree: Tree
     tokens: torch.Tensor              # (n,) long; tokens[0] = pending root
-    q: torch.Tensor | None = None     # (R, V) draft probs (sampling only)
+    q: torch.Tensor | None = None     # (R, V) the draft distributions drawn from (sampling); None: no draws
     q_index: torch.Tensor | None = None  # (n,) the q row node i was drawn from; None: row depth(i) - 1
     resume: Resume | None = None
     path_p: torch.Tensor | None = None   # (n,) each node's chance of acceptance as the draft sees it

@@ -28,8 +28,10 @@ not thrown away because a head was less sure of the same token.
 
 Sampling too: a copied token is a draft whose q is a point mass on it (its "draw" was certain
 given the context). Rejection sampling handles that exactly: accept it with probability p(x),
-else continue from p with x removed (``verify.rejection_accept_tree``). Each copied node gets a
-one-hot q row of its own, so siblings drawn from a draft distribution keep theirs.
+else continue from p with x removed. Grafted onto a draft with q rows (tokens drawn from a draft
+distribution), each copied node gets a one-hot q row of its own, so the drawn siblings keep theirs
+(``accept.rejection_accept_tree``); a draft without (the lookup alone) stays without, every node a
+point mass (``accept.point_accept_tree``).
 
 ``context_match``, ``graft`` and ``copy_prior`` are pure functions; ``with_lookup`` applies them to a
 step's draft, for every drafter that copies.
@@ -185,8 +187,8 @@ def chain_nodes(parents: Sequence[int], tokens: Sequence[int], chain: Sequence[i
 def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, corpus: Corpus | None = None) -> Draft:
     """A step's draft with up to k copied tokens grafted on (``copied_chain``: from the context, or where
     it has no match of two tokens or more, from a ``corpus``, the target's own earlier answers,
-    ``corpus.py``); unchanged when k is 0 or nothing matched. Sampling: every new node gets a one-hot
-    q row appended to ``draft.q`` (point mass on its token)."""
+    ``corpus.py``); unchanged when k is 0 or nothing matched. Sampling, onto a draft with q rows: every
+    new node gets a one-hot q row appended to ``draft.q`` (point mass on its token)."""
     if not k:
         return draft
     copied, prior = copied_chain(state, k, corpus)
