@@ -117,8 +117,9 @@ def pick_candidates(
     if not params.do_sample:
         return torch.topk(scores, width, dim=-1).indices
     rows = []
-    for row in scores:  # R is the tree depth or less: a short loop
-        take = min(width, int((row > 0).sum()))
+    support = (scores > 0).sum(-1).tolist()   # (one read for every row)
+    for row, nonzero in zip(scores, support):  # R is the tree depth or less: a short loop
+        take = min(width, nonzero)
         draws = torch.multinomial(row, take, replacement=False, generator=generator)
         rows.append(torch.cat([draws, draws[-1:].expand(width - take)]))
     return torch.stack(rows)
