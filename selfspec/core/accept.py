@@ -169,9 +169,10 @@ def point_accept_tree(tree: Tree, tokens: torch.Tensor, p: torch.Tensor, *,
     tokens = tokens.to(p.device)
     chance = p[tree.parents[1:].to(p.device), tokens[1:]]                  # (n - 1,) p of each child at its parent
     u = torch.rand(n - 1, generator=generator, device=p.device)
-    chance, u, toks = chance.tolist(), u.tolist(), tokens.tolist()
-    path, node, rejected = [0], 0, []
-    while tree.children[node]:
+    chance, u, drafted = torch.stack([chance.float(), u, tokens[1:].float()]).tolist()   # (one read; ids < 2^24)
+    toks = [0] + [int(x) for x in drafted]   # node i's token (the root's unused)
+    path, node = [0], 0
+    while True:   # a node without children accepts none: the walk ends there
         rejected, left, nxt = [], 1.0, None
         for child in tree.children[node]:
             x = toks[child]
@@ -186,7 +187,6 @@ def point_accept_tree(tree: Tree, tokens: torch.Tensor, p: torch.Tensor, *,
             break
         path.append(nxt)
         node = nxt
-        rejected = []
     dist = p[node]
     if rejected and left > 1e-6:   # (below: the rejected tokens held all the mass, so rejection had chance 0)
         dist = dist.clone()

@@ -39,10 +39,6 @@ class Tree:
                                               self.ranks.to(self.parents.dtype)]).tolist()
         return parents, depths, ranks
 
-    @property
-    def _parent_list(self) -> list[int]:
-        return self.lists[0]
-
     @functools.cached_property
     def node_paths(self) -> tuple[tuple[int, ...], ...]:
         """node_paths[i] = node ids from the root to i, inclusive."""
@@ -52,7 +48,7 @@ class Tree:
     def children(self) -> tuple[tuple[int, ...], ...]:
         """children[i] = node ids, in rank order."""
         ranks, kids = self.lists[2], [[] for _ in range(self.size)]
-        for i, p in enumerate(self._parent_list[1:], start=1):
+        for i, p in enumerate(self.lists[0][1:], start=1):
             kids[p].append(i)
         return tuple(tuple(sorted(c, key=lambda j: ranks[j])) for c in kids)
 
@@ -64,7 +60,7 @@ class Tree:
 
     def path_to(self, node: int) -> tuple[int, ...]:
         """Node ids from the root to ``node``, inclusive (a walk of depth steps)."""
-        walk, parents = [], self._parent_list
+        walk, parents = [], self.lists[0]
         while node >= 0:
             walk.append(node)
             node = parents[node]
