@@ -47,7 +47,7 @@ from .loading import check_model_name, load_model, resolve_device, resolve_dtype
 from .models.eagle import default_aux_layers, init_from_target
 from .runtime.backoff import Backoff
 from .runtime.step import StaticStep
-from .runtime.width import VerifyCost, verify_cost
+from .runtime.width import Calibrated, Calibration, VerifyCost, verify_cost
 from .settings import (
     AUTO,
     DEFAULT_MAX_NEW_TOKENS,
@@ -200,6 +200,7 @@ class SelfSpeculativeModel:
         self._timed_batches: set[int] = set()   # batch sizes whose step costs are timed (time_costs)
         self._stops: dict[tuple, tuple] = {}   # (id(tokenizer), strings) -> (tokenizer, its stop rule): _stop_strings
         self._step_costs: dict[tuple, VerifyCost] = {}   # width fitting's prices for the static step, per capture
+        self._calibrations: dict[tuple, Calibration] = {}   # (drafter, sampled) -> its chances as accepted
         self._backoffs: dict[tuple, Backoff] = {}         # (id(drafter), rows) -> its back-off (runtime/backoff.py)
         decode = heads.config.decode if heads is not None else None
         if drafter_name == "draft-model" and draft_model is not None and (tree in AUTO or threshold in AUTO):
@@ -466,6 +467,8 @@ class SelfSpeculativeModel:
         if cost is not None and len(prompts) not in self._timed_batches:
             # Time the pass's cost prior now, not inside the steps whose times the fitting learns from.
             self.time_costs(len(prompts))
+        if cost is not None:   # the shared prices, with what this drafter's drafts were accepted with in this mode
+            cost = Calibrated(cost, self._calibrations.setdefault((id(drafter), sampling), Calibration()))
         new, stats = decode_rows(self.backbone, drafter, [p.to(dev) for p in prompts], params=params,
                                  max_new_tokens=int(max_new), eos_token_ids=eos_ids, generator=generator,
                                  on_tokens=on_tokens, step=self.step, cost=cost, pace=pace, stop=stop,

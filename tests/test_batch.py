@@ -615,12 +615,12 @@ class _CyclingWidths:
         # A level priced as a tiny head's is, against this table's pass: no clock, the same decisions every run.
         return width.level_pays(chances, children, self.table(rows, widest), spent=2e-4 * running, level=2e-4)
 
-    def fit(self, drafts, widest, rows=None):
+    def fit(self, drafts, widest, rows=None, calibration=None):
         from selfspec.runtime.width import fit_width
 
-        return fit_width(drafts, self, widest, rows)
+        return fit_width(drafts, self, widest, rows, calibration)
 
-    def observe(self, rows, width):
+    def observe(self, rows, width, accepted=None):
         pass
 
     def table(self, rows, width):
@@ -666,23 +666,29 @@ def _sampling_setup():
     return model, bb, params, prompts, drafter
 
 
-@pytest.mark.parametrize("fitted", ["whole", "fitted", "one-node"])
+@pytest.mark.parametrize("fitted", ["whole", "fitted", "calibrated", "one-node"])
 def test_sampling_in_a_batch_is_lossless(fitted, one_thread, monkeypatch):
     """Sampled rows of a batch (EAGLE's beams plus copied chains) keep the target's distribution; fitted:
     with every step's trees cut to a width that cycles through every size (width fitting's cuts), and
     the head's drafting stopped at levels priced to stop at every depth (``budget.level_pays``);
-    one-node: every tree cut to its root and one node."""
+    calibrated: those cuts made on chances scaled by what earlier steps accepted (``Calibration``: which
+    nodes a cut keeps then follows earlier draws); one-node: every tree cut to its root and one node."""
     from selfspec.runtime import width as budget
 
     decided = []
     real = budget.level_pays
     monkeypatch.setattr(budget, "level_pays", lambda *a, **k: decided.append(real(*a, **k)) or decided[-1])
     model, bb, params, prompts, drafter = _sampling_setup()
-    cost = {"whole": None, "fitted": _CyclingWidths(), "one-node": _OneNode()}[fitted]
+    cycling = _CyclingWidths()
+    cost = {"whole": None, "fitted": cycling, "calibrated": budget.Calibrated(cycling, budget.Calibration()),
+            "one-node": _OneNode()}[fitted]
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, cost=cost)
     for prompt, c in zip(prompts, counts):
         stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
         assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
+    if fitted == "calibrated":
+        assert cost.calibration.factors(2)[1:] != [1.0, 1.0], "not vacuous: the cuts read scaled chances"
+        cost = cycling
     if cost is not None:
         assert cost.cut > N // 4, "not vacuous: many rows' trees were cut"
         assert decided.count(True) > 5 and decided.count(False) > 5, "not vacuous: levels both drafted and stopped"

@@ -13,12 +13,14 @@ from selfspec.core.backbone import Backbone
 from selfspec.core.decode import decode_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.tree import build_tree, chain
-from selfspec.core.types import DecodeState, Draft, Resume
+from selfspec.core.types import DecodeState, Draft, Resume, read_host
 from selfspec.drafters import LookupDrafter
 from selfspec.drafters.base import layout_path_p, prior_chance
 from selfspec.drafters.lookup import with_lookup
 from selfspec.model import SelfSpeculativeModel
-from selfspec.runtime.width import VerifyCost, best_width, level_pays, path_p, trim, verify_cost
+from selfspec.core.accept import Accepted
+from selfspec.runtime.width import (Calibrated, Calibration, VerifyCost, best_width, fit_width, level_pays, path_p,
+                                     trim, verify_cost)
 from selfspec.settings import COPY_ACCEPT_BY_MATCH, COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 
 
@@ -128,6 +130,72 @@ class _Timed(VerifyCost):
     def _time(self, rows, width):
         self.timings.append((rows, width))
         return {w: float(rows + w) for w in (1, 2, 4, width)}
+
+
+def _verified(p: list[float], accepted: int) -> tuple[Draft, Accepted]:
+    """A chain of len(p) - 1 drafts with chances p (root first), of which the first ``accepted`` were accepted."""
+    draft = Draft(tree=build_tree(chain(len(p) - 1)), tokens=torch.arange(len(p)), path_p=torch.tensor(p))
+    return draft, Accepted(path=tuple(range(accepted + 1)), bonus=0, tokens=(0,) * (accepted + 1))
+
+
+def test_calibration_starts_at_face_value_and_learns_what_each_depth_is_accepted_with():
+    cal = Calibration()
+    assert cal.factors(3) == [1.0, 1.0, 1.0, 1.0]                       # nothing seen: the draft's own chances
+    assert cal.scaled([1.0, 0.8, 0.5], [0, 1, 2]) == [1.0, 0.8, 0.5]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):   # claimed 0.8 and 0.6; accepted half the time at depth 1, never at depth 2
+        draft, acc = _verified([1.0, 0.8, 0.6], int(torch.rand(1, generator=g) < 0.5))
+        read_host([draft])                                            # (as fitting leaves it: its host copy read)
+        cal.record([draft], [acc])
+    f = cal.factors(3)
+    assert 0.5 < f[1] / (0.5 / 0.8) < 1.2 and f[2] < 0.1, f         # the measured ratios, the prior faded out
+    assert f[3] == f[2]                                               # a depth never seen: no better than above it
+    scaled = cal.scaled([1.0, 0.8, 0.6], [0, 1, 2])
+    assert scaled[0] == 1.0 and scaled[1] >= scaled[2]
+    under = Calibration()      # a draft accepted more often than it claims: chances rise, never past 1 or a parent
+    for _ in range(200):
+        draft, acc = _verified([1.0, 0.5, 0.45], 2)
+        read_host([draft])
+        under.record([draft], [acc])
+    assert under.scaled([1.0, 0.5, 0.45], [0, 1, 2]) == pytest.approx([1.0, 1.0, 0.9], abs=0.1)
+    f = under.factors(2)
+    assert f[1] > 1.0 and all(a >= b for a, b in zip(f[1:], f[2:]))   # (the root stays 1)
+    assert under.scaled([1.0, 0.9, 0.9], [0, 1, 2])[2] <= 1.0
+
+
+def test_a_calibrated_fitting_learns_from_every_step_and_stays_exact(one_thread):
+    """Through ``decode_rows``: every step's acceptance teaches the calibration (what the lookup's copies of
+    this model's text are accepted with, against the prior they are drafted with), and output stays exact."""
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size)
+    ref = _alone(model, prompts[:1])
+    cost = _Flat()
+    fitted = Calibrated(cost, Calibration())
+    new, _ = decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts[:1], params=GREEDY,
+                         max_new_tokens=N_NEW, eos_token_ids=set(), generator=None, cost=fitted)
+    assert new == ref
+    cal = fitted.calibration
+    assert cal.chance and cal.reached[0] > 0 and cal.factors(1)[1] != 1.0, (cal.chance, cal.reached)
+
+
+class _Flat:
+    """Width fitting's prices as a pass whose cost grows gently with its width (no clock)."""
+
+    def table(self, rows, width):
+        return [1.0 + 0.2 * (w - 1) for w in range(1, width + 1)]
+
+    def width(self, chances, widest, rows=None):
+        return best_width(chances, self.table(len(chances), widest))
+
+    def fit(self, drafts, widest, rows=None, calibration=None):
+        return fit_width(drafts, self, widest, rows, calibration)
+
+    def observe(self, rows, width, accepted=None):
+        pass
+
+    def level_pays(self, chances, children, *, rows, widest, running):
+        return True
 
 
 def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
@@ -261,7 +329,7 @@ class _Cycling:
 
         return fit_width(drafts, self, widest, rows)
 
-    def observe(self, rows, width):
+    def observe(self, rows, width, accepted=None):
         self.seen.append(width)
 
 

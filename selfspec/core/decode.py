@@ -364,7 +364,7 @@ def decode_rows(
         committed = commit_rows(cache, rows, accepted)                               # COMMIT
         drafter.commit(rows, accepted, outs)                                         # (the drafter's row state)
         if cost is not None:
-            cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts))
+            cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts), accepted)
         if pace is not None:
             pace.observe(len(live), sum(map(len, committed)), drafting)
         stats.plain_steps += 0 if drafting else len(live)

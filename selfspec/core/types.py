@@ -200,7 +200,8 @@ class WidthFit(Protocol):
 
     def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]: ...
 
-    def observe(self, rows: int, width: int) -> None: ...   # the step fitted last is done (the runtime times it)
+    def observe(self, rows: int, width: int, accepted: list) -> None: ...   # the step fitted last is done and
+    # accepted ``accepted`` (the runtime times it, and may learn from what its drafts were accepted with)
 
     def level_pays(self, chances: list[list[float]], children: list[list[float]], *, rows: int, widest: int,
                    running: int) -> bool: ...   # one more stage, of ``running`` rows (the runtime times the stages)

@@ -40,6 +40,12 @@ pass is dear this stops most trees after a level or two; where verifying is flat
 confident tree grow to its depth. Like the cut, it never changes what acceptance commits, and when
 sampling it reads only the scores a node has before its token is drawn (rank scores, below).
 
+A drafter's chances are its head's confidence on the text it was trained on, and on other text it is
+accepted less, the deeper the less; a copied token's prior is an average over text of every kind. So
+the chances fitting weighs are scaled, per drafter and decoding mode, to what that drafter's verified
+nodes were accepted with at each depth (``Calibration``, taught by every step's acceptance through
+``Calibrated.observe``): verified nodes that are seldom accepted stop being paid for.
+
 The costs come from timing the pass itself on this machine (``VerifyCost``): a prior at widths 1, 2
 and the widest, once per process and model at the batch sizes met (under a second for the demo
 model; the bench does it before timing anything), then what decoding's own steps measure. A width is measured only when chosen, so every ``EXPLORE_EVERY``-th
@@ -68,6 +74,7 @@ from ..core.clock import now
 from .static import BUCKETS, bucket
 
 if TYPE_CHECKING:
+    from ..core.accept import Accepted
     from .step import StaticStep
 
 
@@ -151,12 +158,16 @@ def trim(draft: Draft, width: int, p: list[float] | None = None) -> Draft:
     return cut
 
 
-def fit_width(drafts: list[Draft], cost: "VerifyCost", widest: int, rows: int | None = None) -> list[Draft]:
+def fit_width(drafts: list[Draft], cost: "VerifyCost", widest: int, rows: int | None = None,
+              calibration: "Calibration | None" = None) -> list[Draft]:
     """Every row's draft cut to the width ``cost`` picks for the batch (``VerifyCost.width``); ``rows``:
     how many rows the pass runs (default: one per draft; a static step also runs its idle rows). Every
-    row's draft is read from the device in one transfer (``read_host``)."""
+    row's draft is read from the device in one transfer (``read_host``). With ``calibration``, the
+    chances are the drafter's own scaled to what its verified nodes were accepted with (``Calibration``)."""
     read_host(drafts)
     chances = [path_p(d) for d in drafts]
+    if calibration is not None:
+        chances = [calibration.scaled(c, d.host.depths) for c, d in zip(chances, drafts)]
     w = cost.width([c[1:] for c in chances], widest, rows)
     return [trim(d, w, c) for d, c in zip(drafts, chances)]
 
@@ -217,11 +228,12 @@ class VerifyCost:
         self._level = (now(self.backbone.device), running) if pays else None
         return pays
 
-    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]:
+    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None,
+            calibration: "Calibration | None" = None) -> list[Draft]:
         """Every row's draft cut to the width this step's pass is worth (``fit_width``); the clock of the
         step's verification (read at ``observe``) starts here."""
         if any(d.tree.size > 1 for d in drafts):   # (a plain step has nothing to cut)
-            drafts = fit_width(drafts, self, widest, rows)
+            drafts = fit_width(drafts, self, widest, rows, calibration)
         self.began, self._level = now(self.backbone.device), None   # (drafting is over: no level runs on)
         return drafts
 
@@ -251,8 +263,9 @@ class VerifyCost:
             return width
         return bucket(width)
 
-    def observe(self, rows: int, width: int) -> None:
-        """The step fitted last (``fit``) verified ``rows`` rows at ``width`` and is done: ``record`` its time."""
+    def observe(self, rows: int, width: int, accepted: "list[Accepted] | None" = None) -> None:
+        """The step fitted last (``fit``) verified ``rows`` rows at ``width`` and is done: ``record`` its time
+        (what it accepted is a ``Calibrated`` fitting's concern, not the prices')."""
         self.record(rows, width, now(self.backbone.device) - self.began)
 
     def record(self, rows: int, width: int, seconds: float) -> None:
@@ -351,6 +364,83 @@ class VerifyCost:
                 cache.keep(pasts, empty)
         step.storage.release(cache)
         return {w: statistics.median(s) for w, s in seconds.items()}
+
+
+class Calibration:
+    """How a drafter's own chances (``path_p``) compare with what its verified nodes were accepted with,
+    by depth, learned from the steps where it runs; ``scaled`` turns its chances into the accepted ones.
+
+    A draft's path probabilities are its head's confidence on the prompts it was trained on; on other
+    prompts it is accepted less, the deeper the less (and a copied token's prior is an average over
+    text of every kind), so fitting on the raw chances verifies nodes that do not pay for their share of
+    the pass. Per depth d, the chances of every verified node at d are summed against how many of those
+    steps accepted a path reaching d (at most one node per depth is accepted, so the two sums estimate
+    the same thing), both decayed by ``DECAY`` a step so that a new kind of prompt is learnt within a few
+    hundred steps, and ``PRIOR`` nodes' worth of chance accepted at face value start them: the factor is
+    1 until steps say otherwise. Factors never grow with depth and scaled chances stay at most 1, so a
+    node never outscores its parent and a cut stays a tree. Scaling changes which nodes are verified,
+    from what earlier steps accepted, never what a step accepts: greedy output is unchanged and sampling
+    exact (a tree decided before its tokens are drawn). Kept per drafter and decoding mode (``Calibrated``)."""
+
+    PRIOR = 4.0      # nodes' worth of chance, accepted at face value, that every depth's estimate starts from
+    DECAY = 0.995    # what a recorded step keeps of the weight of the steps before it
+
+    def __init__(self) -> None:
+        self.chance: list[float] = []     # [d - 1]: decayed sum of the chances of verified nodes at depth d
+        self.reached: list[float] = []    # [d - 1]: decayed count of rows whose accepted path reached depth d
+
+    def factors(self, depth: int) -> list[float]:
+        """f[d] for d = 0 .. depth: what a chance at depth d is worth (f[0] = 1, the root; non-increasing from d = 1,
+        above 1 where a drafter is accepted more often than it claims)."""
+        out, f = [1.0], math.inf
+        for d in range(1, depth + 1):
+            c, r = (self.chance[d - 1], self.reached[d - 1]) if d <= len(self.chance) else (0.0, 0.0)
+            f = min(f, (r + self.PRIOR) / (c + self.PRIOR))
+            out.append(f)
+        return out
+
+    def scaled(self, chances: list[float], depths: list[int]) -> list[float]:
+        """A draft's node chances (root first) at their ``depths``, as accepted: chance x f[depth], at most 1."""
+        f = self.factors(max(depths, default=0))
+        return [min(1.0, p * f[d]) for p, d in zip(chances, depths)]
+
+    def record(self, drafts: list[Draft], accepted: list) -> None:
+        """A step verified ``drafts`` (as fitted: their host copies read) and accepted ``accepted``."""
+        drafted = [(d, a) for d, a in zip(drafts, accepted) if d.tree.size > 1]
+        if not drafted:
+            return
+        self.chance = [x * self.DECAY for x in self.chance]
+        self.reached = [x * self.DECAY for x in self.reached]
+        for d, a in drafted:
+            depths = d.host.depths
+            deepest = max(depths)
+            while len(self.chance) < deepest:
+                self.chance.append(0.0)
+                self.reached.append(0.0)
+            for p, depth in zip(path_p(d)[1:], depths[1:]):
+                self.chance[depth - 1] += p
+            for depth in range(1, min(a.num_accepted, deepest) + 1):
+                self.reached[depth - 1] += 1.0
+
+
+class Calibrated:
+    """Width fitting for one drafter and decoding mode: the shared prices (``VerifyCost``) with that
+    drafter's ``Calibration``, which each step's acceptance teaches (the seam ``decode_rows`` is given)."""
+
+    def __init__(self, cost: VerifyCost, calibration: Calibration):
+        self.cost, self.calibration = cost, calibration
+        self._fitted: list[Draft] = []
+
+    def fit(self, drafts: list[Draft], widest: int, rows: int | None = None) -> list[Draft]:
+        self._fitted = self.cost.fit(drafts, widest, rows, calibration=self.calibration)
+        return self._fitted
+
+    def observe(self, rows: int, width: int, accepted: list) -> None:
+        self.cost.observe(rows, width)
+        self.calibration.record(self._fitted, accepted)
+
+    def level_pays(self, chances: list, children: list, *, rows: int, widest: int, running: int) -> bool:
+        return self.cost.level_pays(chances, children, rows=rows, widest=widest, running=running)
 
 
 def _capped(costs: list[float], seen: dict[int, float]) -> list[float]:
