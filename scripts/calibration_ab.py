@@ -37,8 +37,8 @@ def main() -> None:
     from selfspec.runtime.width import Calibration
 
     class Raw(Calibration):
-        def scaled(self, chances, depths):
-            return list(chances)
+        def factors(self, depth):
+            return [1.0] * (depth + 1)
 
     class RawOnly(dict):
         def setdefault(self, key, default=None):

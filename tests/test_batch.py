@@ -609,7 +609,7 @@ class _CyclingWidths:
         self.cut += sum(int(len(c) >= w) for c in chances)   # rows that lose nodes this step
         return w
 
-    def level_pays(self, chances, children, *, rows, widest, running):
+    def level_pays(self, chances, children, *, rows, widest, running, depths=None):
         from selfspec.runtime import width
 
         # A level priced as a tiny head's is, against this table's pass: no clock, the same decisions every run.

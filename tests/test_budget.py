@@ -194,7 +194,7 @@ class _Flat:
     def observe(self, rows, width, accepted=None):
         pass
 
-    def level_pays(self, chances, children, *, rows, widest, running):
+    def level_pays(self, chances, children, *, rows, widest, running, depths=None):
         return True
 
 
@@ -318,7 +318,7 @@ class _Cycling:
     def width(self, chances, widest, rows=None):
         return best_width(chances, self.table(len(chances), widest))
 
-    def level_pays(self, chances, children, *, rows, widest, running):
+    def level_pays(self, chances, children, *, rows, widest, running, depths=None):
         from selfspec.runtime import width
 
         # A level priced as a tiny head's is, against this table's pass: no clock, the same decisions every run.

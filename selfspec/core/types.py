@@ -204,7 +204,9 @@ class WidthFit(Protocol):
     # accepted ``accepted`` (the runtime times it, and may learn from what its drafts were accepted with)
 
     def level_pays(self, chances: list[list[float]], children: list[list[float]], *, rows: int, widest: int,
-                   running: int) -> bool: ...   # one more stage, of ``running`` rows (the runtime times the stages)
+                   running: int, depths: list[int] | None = None) -> bool: ...
+    # one more stage, of ``running`` rows (the runtime times the stages); depths: each drafted chance's depth
+    # (the same in every row), the children one deeper
 
 
 class Pace(Protocol):

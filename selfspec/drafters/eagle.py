@@ -137,14 +137,18 @@ class EagleDrafter(Drafter):
     def use_cost(self, cost: "WidthFit | None", rows: int | None = None) -> None:
         self.cost, self.cost_rows = cost, rows
 
-    def _level_pays(self, drafted: list[list[float]], children: list[list[float]], active: list[int]) -> bool:
+    def _level_pays(self, drafted: list[list[float]], children: list[list[float]], active: list[int],
+                    levels: int) -> bool:
         """Whether one more level, run for the ``active`` rows, is expected to pay on this machine
         (``WidthFit.level_pays``, which times the levels itself). drafted[b]: row b's drafted chances so
-        far; children[b]: what its next level is expected to add (its ``expand`` best nodes' chances times
-        the last level's mean top probability: what a child keeps of its parent's chance)."""
-        on = set(active)
+        far, ``levels`` levels of them (pool order: level 1's ``expand`` nodes, then ``expand`` squared a
+        level); children[b]: what its next level is expected to add (its ``expand`` best nodes' chances
+        times the last level's mean top probability: what a child keeps of its parent's chance)."""
+        on, k = set(active), self.expand
+        depths = [1] * k + [d for d in range(2, levels + 1) for _ in range(k * k)]
         return self.cost.level_pays(drafted, [c if b in on else [] for b, c in enumerate(children)],
-                                    rows=self.cost_rows or len(drafted), widest=self.max_nodes, running=len(active))
+                                    rows=self.cost_rows or len(drafted), widest=self.max_nodes, running=len(active),
+                                    depths=depths)
 
     # ------------------------------------------------------------------ the head's own cache
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -280,7 +284,7 @@ class EagleDrafter(Drafter):
                 if self.cost is not None and self.level_stop:
                     drafted = [[math.exp(x) for x in row[:n]] for row in read]
                     children = [[math.exp(x + row[-1]) for x in row[n:n + k]] for row in read]   # best nodes' x rho
-                    if not self._level_pays(drafted, children, active):
+                    if not self._level_pays(drafted, children, active, d):
                         break
                 a = torch.tensor(active, device=dev)
             top = start + best                                                                  # (R, k) pool ids

@@ -212,11 +212,12 @@ class VerifyCost:
         self._drafting = 0.0                                 # when this step's first level decision came
 
     def level_pays(self, chances: list, children: list, *, rows: int, widest: int,
-                   running: int) -> bool:
+                   running: int, depths: list[int] | None = None) -> bool:
         """``level_pays`` priced by this machine's pass at ``rows`` rows (widths up to ``widest``), for a level
         that would run ``running`` rows of the drafter's. The levels are timed here: from one call to the
         next within a step (the first call of a step, after the last ``fit``, starts the step's clock), the
-        fastest of the last RECENT at that many rows; a level count not yet timed pays, and is timed."""
+        fastest of the last RECENT at that many rows; a level count not yet timed pays, and is timed. (The
+        chances' ``depths`` are a ``Calibrated`` fitting's concern; the prices take the chances as given.)"""
         t = now(self.backbone.device)
         if self._level is None:
             self._drafting = t
@@ -439,7 +440,13 @@ class Calibrated:
         self.cost.observe(rows, width)
         self.calibration.record(self._fitted, accepted)
 
-    def level_pays(self, chances: list, children: list, *, rows: int, widest: int, running: int) -> bool:
+    def level_pays(self, chances: list, children: list, *, rows: int, widest: int, running: int,
+                   depths: list[int] | None = None) -> bool:
+        """``VerifyCost.level_pays`` on calibrated chances, where the drafter gives their ``depths``."""
+        if depths is not None:
+            f = self.calibration.factors(max(depths, default=0) + 1)
+            chances = [[min(1.0, p * f[d]) for p, d in zip(c, depths)] for c in chances]
+            children = [[min(1.0, p * f[-1]) for p in c] for c in children]
         return self.cost.level_pays(chances, children, rows=rows, widest=widest, running=running)
 
 
