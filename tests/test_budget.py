@@ -19,8 +19,8 @@ from selfspec.drafters.base import layout_path_p, prior_chance
 from selfspec.drafters.lookup import with_lookup
 from selfspec.model import SelfSpeculativeModel
 from selfspec.core.accept import Accepted
-from selfspec.runtime.width import (Calibrated, Calibration, VerifyCost, best_width, fit_width, level_pays, path_p,
-                                     trim, verify_cost)
+from selfspec.runtime.width import (Calibrated, Calibration, VerifyCost, best_width, level_pays, path_p, trim,
+                                     verify_cost)
 from selfspec.settings import COPY_ACCEPT_BY_MATCH, COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 
 
@@ -170,32 +170,12 @@ def test_a_calibrated_fitting_learns_from_every_step_and_stays_exact(one_thread)
     bb = Backbone(model)
     prompts = _prompts(model.config.vocab_size)
     ref = _alone(model, prompts[:1])
-    cost = _Flat()
-    fitted = Calibrated(cost, Calibration())
+    fitted = Calibrated(_Cycling(), Calibration())
     new, _ = decode_rows(bb, LookupDrafter(bb.device, 4, vocab_size=bb.vocab_size), prompts[:1], params=GREEDY,
                          max_new_tokens=N_NEW, eos_token_ids=set(), generator=None, cost=fitted)
     assert new == ref
     cal = fitted.calibration
     assert cal.chance and cal.reached[0] > 0 and cal.factors(1)[1] != 1.0, (cal.chance, cal.reached)
-
-
-class _Flat:
-    """Width fitting's prices as a pass whose cost grows gently with its width (no clock)."""
-
-    def table(self, rows, width):
-        return [1.0 + 0.2 * (w - 1) for w in range(1, width + 1)]
-
-    def width(self, chances, widest, rows=None):
-        return best_width(chances, self.table(len(chances), widest))
-
-    def fit(self, drafts, widest, rows=None, calibration=None):
-        return fit_width(drafts, self, widest, rows, calibration)
-
-    def observe(self, rows, width, accepted=None):
-        pass
-
-    def level_pays(self, chances, children, *, rows, widest, running, depths=None):
-        return True
 
 
 def test_cost_table_interpolates_flattens_and_learns_from_real_steps():
@@ -324,10 +304,10 @@ class _Cycling:
         # A level priced as a tiny head's is, against this table's pass: no clock, the same decisions every run.
         return width.level_pays(chances, children, self.table(rows, widest), spent=2e-4 * running, level=2e-4)
 
-    def fit(self, drafts, widest, rows=None):
+    def fit(self, drafts, widest, rows=None, calibration=None):
         from selfspec.runtime.width import fit_width
 
-        return fit_width(drafts, self, widest, rows)
+        return fit_width(drafts, self, widest, rows, calibration)
 
     def observe(self, rows, width, accepted=None):
         self.seen.append(width)

@@ -444,9 +444,9 @@ class Calibrated:
                    depths: list[int] | None = None) -> bool:
         """``VerifyCost.level_pays`` on calibrated chances, where the drafter gives their ``depths``."""
         if depths is not None:
-            f = self.calibration.factors(max(depths, default=0) + 1)
-            chances = [[min(1.0, p * f[d]) for p, d in zip(c, depths)] for c in chances]
-            children = [[min(1.0, p * f[-1]) for p in c] for c in children]
+            below = max(depths, default=0) + 1
+            chances = [self.calibration.scaled(c, depths) for c in chances]
+            children = [self.calibration.scaled(c, [below] * len(c)) for c in children]
         return self.cost.level_pays(chances, children, rows=rows, widest=widest, running=running)
 
 
