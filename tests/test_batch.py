@@ -8,6 +8,7 @@ change a single token. Sampled rows must keep the target's distribution.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -641,14 +642,14 @@ class _OneNode(_CyclingWidths):
         return 2
 
 
-def _batched_counts(bb, drafter, prompts, params, batches, cost=None, eos=(), min_new_tokens=0, pace=None):
+def _batched_counts(bb, drafter, prompts, params, batches, cost=None, eos=(), min_new_tokens=0, pace=None, step=None):
     """Rows alternate between the prompts (different lengths); counts of each prompt's first L tokens."""
     g = torch.Generator().manual_seed(3)
     counts = [{} for _ in prompts]
     rows = [torch.tensor(prompts[i % len(prompts)]) for i in range(ROWS)]
     for _ in range(batches):
         new, _ = decode_rows(bb, drafter, rows, params=params, max_new_tokens=L, eos_token_ids=set(eos), generator=g,
-                             cost=cost, min_new_tokens=min_new_tokens, pace=pace)
+                             cost=cost, min_new_tokens=min_new_tokens, pace=pace, step=step)
         for i, toks in enumerate(new):
             c = counts[i % len(prompts)]
             c[tuple(toks)] = c.get(tuple(toks), 0) + 1
@@ -668,7 +669,7 @@ def _sampling_setup():
 
 @pytest.mark.parametrize("fitted", ["whole", "fitted", "calibrated", "one-node"])
 def test_sampling_in_a_batch_is_lossless(fitted, one_thread, monkeypatch):
-    """Sampled rows of a batch (EAGLE's beams plus copied chains) keep the target's distribution; fitted:
+    """Sampled rows of a batch (EAGLE's trees of likeliest tokens plus copied chains) keep the target's distribution; fitted:
     with every step's trees cut to a width that cycles through every size (width fitting's cuts), and
     the head's drafting stopped at levels priced to stop at every depth (``budget.level_pays``);
     calibrated: those cuts made on chances scaled by what earlier steps accepted (``Calibration``: which
@@ -696,10 +697,46 @@ def test_sampling_in_a_batch_is_lossless(fitted, one_thread, monkeypatch):
         assert not decided, "without width fitting nothing prices the head's levels"
 
 
+def test_sampling_in_a_batch_at_static_shapes_is_lossless(one_thread, monkeypatch):
+    """``compile=True``'s passes (here uncompiled) when sampling: each step's whole EAGLE draft, the last
+    commit included, in one head pass (``_tree_pass``), the verify pass at static shapes."""
+    model, bb, params, prompts, drafter = _sampling_setup()
+    calls = []
+    real = EagleDrafter._tree_pass
+    monkeypatch.setattr(EagleDrafter, "_tree_pass", lambda self, *a: calls.append(1) or real(self, *a))
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, step=StaticStep(bb, compile=False))
+    assert len(calls) > N // ROWS, "not vacuous: the steps drafted in one head pass"
+    for prompt, c in zip(prompts, counts):
+        stat, threshold = chi2_check(c, _exact(model, prompt, params), N)
+        assert stat < threshold, f"chi2={stat:.1f} >= {threshold:.1f}: prompt {prompt} lost the target distribution"
+
+
+class _TwoDrawnSiblings(Drafter):
+    """Two siblings drawn without replacement from one fixed q (``row_candidates(draw=True)``, as early exit
+    draws its candidates), their chances the row's largest probability, as drawn drafts' are. q puts half
+    its mass on one token, so the likelier of two draws is that token far more often than a first draw is."""
+
+    name = "two-drawn"
+
+    def __init__(self, vocab: int, token: int):
+        self.logits = torch.zeros(1, vocab)
+        self.logits[0, token] = math.log(vocab - 1)
+
+    def draft(self, states):
+        from selfspec.drafters.base import row_candidates
+
+        tree, drafts = build_tree(((0,), (1,))), []
+        for s in states:
+            c = row_candidates(self.logits, 2, vocab=None, vocab_size=self.logits.shape[1], state=s, draw=True)
+            drafts.append(Draft(tree=tree, tokens=torch.cat([torch.tensor([s.ids[-1]]), c.tokens[0]]), q=c.q,
+                                path_p=torch.cat([torch.ones(1), c.conf[0]])))
+        return drafts
+
+
 def test_sampling_check_catches_a_cut_that_reads_the_drawn_tokens(one_thread, monkeypatch):
     """Planted bug: width fitting scores a sampled node by the draft probability of the token drawn there
     (so a cut may keep a later-drawn sibling and drop the first), which recursive rejection sampling does
-    not allow. Cut to one node a step, the same check must fail."""
+    not allow. Cut to one node a step, the same check must fail; without the bug it passes."""
     from selfspec.runtime import width as budget
 
     real = budget.path_p
@@ -713,11 +750,14 @@ def test_sampling_check_catches_a_cut_that_reads_the_drawn_tokens(one_thread, mo
             chance[i] = chance[parent] * own[i]
         return chance
 
-    monkeypatch.setattr(budget, "path_p", by_drawn_token)
-    model, bb, params, prompts, drafter = _sampling_setup()
+    model, bb, params, prompts, _ = _sampling_setup()
+    drafter = _TwoDrawnSiblings(V, 0)
+    exact = [_exact(model, p, params) for p in prompts]
     counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, cost=_OneNode())
-    stats = [chi2_check(c, _exact(model, p, params), N) for p, c in zip(prompts, counts)]
-    assert any(stat > threshold for stat, threshold in stats)
+    assert all(stat < threshold for stat, threshold in (chi2_check(c, e, N) for c, e in zip(counts, exact)))
+    monkeypatch.setattr(budget, "path_p", by_drawn_token)
+    counts = _batched_counts(bb, drafter, prompts, params, batches=2 * N // ROWS, cost=_OneNode())
+    assert any(stat > threshold for stat, threshold in (chi2_check(c, e, N) for c, e in zip(counts, exact)))
 
 
 def test_batch_sampling_check_catches_rows_judged_by_each_others_logits(one_thread, monkeypatch):

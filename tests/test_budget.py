@@ -347,7 +347,7 @@ def test_a_single_row_is_fitted_too_and_sampling_too(one_thread):
 
 
 def test_sampled_siblings_are_cut_in_rank_order():
-    """When sampling, siblings are draws in rank order and may score alike (Medusa scores a row by its
+    """When sampling, siblings are draws in rank order and may score alike (early exit scores a row by its
     largest probability): a cut keeps the lower ranks, whatever order the tree lists them in."""
     tree = build_tree(((1,), (0,), (2,)))           # listed out of rank order
     p = torch.tensor([1.0, 0.4, 0.4, 0.4])

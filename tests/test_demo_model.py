@@ -129,7 +129,7 @@ def test_demo_default_drafter_is_the_shipped_one(demo, references):
         assert sm.heads is not None and sm.heads.config.provenance.get("steps", 0) > 0
     ids, ref = references[0]
     assert torch.equal(sm.generate(ids, max_new_tokens=N_NEW), ref)
-    # Sampling decodes with the same kind of drafter, with the settings tune-tree picked for sampling.
+    # Sampling decodes with the same kind of drafter, with the settings tune-tree picked for sampling where it picked some.
     from selfspec.settings import resolve_settings
 
     sampled = sm.drafter_for(True)

@@ -258,6 +258,30 @@ def test_pick_candidates_without_replacement_and_padding():
     assert greedy.tolist() == [[1, 2]]
 
 
+def test_row_candidates_when_sampling_draw_or_take_the_likeliest():
+    """Sampling: with ``draw`` the candidates are draws from q and carry it (conf: the row's largest
+    probability, whatever was drawn); without, they are q's likeliest tokens after the processors, as
+    point masses (q None), each scored by its own probability."""
+    from types import SimpleNamespace
+
+    from selfspec.drafters.base import row_candidates
+
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 3.0, 0.5, 0.0]])
+    vocab = torch.tensor([3, 5, 7, 9])   # a draft vocabulary: columns -> token ids
+    params = SamplingParams(do_sample=True, temperature=0.5)
+    state = SimpleNamespace(params=params, generator=torch.Generator().manual_seed(0))
+    q = probs_from_logits(logits, params)
+    top = row_candidates(logits, 2, vocab=vocab, vocab_size=10, state=state, draw=False)
+    assert top.q is None and top.tokens.tolist() == [[3, 7], [5, 7]]
+    assert torch.allclose(top.conf, torch.stack([q[0, [0, 2]], q[1, [1, 2]]]))
+    drawn = row_candidates(logits, 2, vocab=vocab, vocab_size=10, state=state, draw=True)
+    assert drawn.q.shape == (2, 10) and torch.allclose(drawn.q[:, vocab], q) and drawn.q[:, 0].sum() == 0
+    assert torch.allclose(drawn.conf, q.max(-1, keepdim=True).values.expand(-1, 2))
+    greedy = row_candidates(logits, 2, vocab=vocab, vocab_size=10, state=SimpleNamespace(params=SamplingParams()),
+                            draw=True)
+    assert greedy.q is None and greedy.tokens.tolist() == top.tokens.tolist()   # drawing is for sampling only
+
+
 def test_tree_from_rank_accuracy_is_best_first_and_prefix_closed():
     from selfspec.core.tree import tree_from_rank_accuracy
 

@@ -18,32 +18,40 @@ from ..settings import COPY_ACCEPT_FIRST, COPY_ACCEPT_NEXT
 @dataclass(frozen=True)
 class Candidates:
     tokens: torch.Tensor          # (R, width) token ids in rank order, one row per depth
-    q: torch.Tensor | None        # (R, V) full-vocabulary draft probs (sampling), None when greedy
+    q: torch.Tensor | None        # (R, V) full-vocabulary draft probs (drawn when sampling), else None
     conf: torch.Tensor            # (R, width) the draft's confidence in each candidate (see below)
 
 
 def row_candidates(
-    logits: torch.Tensor, width: int, *, vocab: torch.Tensor | None, vocab_size: int, state: DecodeState
+    logits: torch.Tensor, width: int, *, vocab: torch.Tensor | None, vocab_size: int, state: DecodeState, draw: bool
 ) -> Candidates:
-    """(R, V_draft) draft logits -> the top ``width`` (greedy) or ``width`` draws without
-    replacement (sampling) per row, mapped from the draft vocabulary back to token ids.
+    """(R, V_draft) draft logits -> ``width`` candidates per row, mapped from the draft vocabulary back to
+    token ids: the top ``width``, or when sampling with ``draw``, ``width`` draws without replacement.
 
-    conf, which ``tree.prune`` uses to drop unlikely candidates: greedy, each candidate's draft
-    probability; sampling, the row's largest probability for every candidate of the row. When
-    sampling, whether a row is proposed at all must not depend on which tokens were drawn from
-    it (the acceptance rule assumes the candidates are plain draws from q), so the whole row
-    stands or falls together, decided by q alone.
+    When sampling, a draw from q is accepted with chance sum min(p, q), a certain token only with its
+    own p; but a draft's top few tokens cover more of p than as many draws do where q is flatter than p
+    or its siblings overlap, and they can be cut by their own chances. Medusa proposes its likeliest
+    tokens (``draw=False``, as EAGLE does); early exit and the draft model, whose q is a model's own
+    next-token distribution, draw. The likeliest carry no q (``q=None``): each is a point mass, accepted
+    by ``accept.point_accept_tree``, and any cut of them stays exact.
+
+    conf, which ``tree.prune`` and width fitting use to drop unlikely candidates: each candidate's draft
+    probability (after the sampling processors when sampling); when drawing, the row's largest
+    probability for every candidate of the row: whether a row is proposed at all must not depend on
+    which tokens were drawn from it (the acceptance rule assumes the candidates are plain draws from q),
+    so the whole row stands or falls together, decided by q alone.
     """
-    if state.params.do_sample:
-        q_small = probs_from_logits(logits, state.params)
-        cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
-        q = full_vocab(q_small, vocab, vocab_size)
-        conf = q_small.max(-1, keepdim=True).values.expand(-1, width)
-    else:
+    if not state.params.do_sample:
         cand = pick_candidates(logits, width, params=state.params, generator=None)
-        q = None
-        conf = logits.float().softmax(-1).gather(1, cand)
-    return Candidates(tokens=cand if vocab is None else vocab[cand], q=q, conf=conf)
+        return Candidates(tokens=cand if vocab is None else vocab[cand], q=None,
+                          conf=logits.float().softmax(-1).gather(1, cand))
+    q_small = probs_from_logits(logits, state.params)
+    if not draw:
+        cand = torch.topk(q_small, width, dim=-1).indices
+        return Candidates(tokens=cand if vocab is None else vocab[cand], q=None, conf=q_small.gather(1, cand))
+    cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
+    return Candidates(tokens=cand if vocab is None else vocab[cand], q=full_vocab(q_small, vocab, vocab_size),
+                      conf=q_small.max(-1, keepdim=True).values.expand(-1, width))
 
 
 def full_vocab(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

@@ -138,7 +138,7 @@ class DraftModelDrafter(Drafter):
             self.fed[b] = 0
         active = list(range(R))
         for j in range(k):
-            cand = row_candidates(z, 1, vocab=self.vocab, vocab_size=self.vocab_size, state=states[0])
+            cand = row_candidates(z, 1, vocab=self.vocab, vocab_size=self.vocab_size, state=states[0], draw=True)
             still = []
             for i, b in enumerate(active):
                 drawn[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], cand.conf[i:i + 1]))

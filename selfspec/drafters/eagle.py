@@ -16,19 +16,20 @@ The tree, per step (EAGLE-2):
 * level 1: the root's top ``expand`` candidates;
 * level d + 1: the ``expand`` best nodes of level d (by path score) are run through the head in
   one call, and each proposes ``expand`` children;
-* finally, greedy keeps the ``nodes`` best nodes of all drafted (path probabilities; a child never
+* finally, the tree keeps the ``nodes`` best nodes of all drafted (path probabilities; a child never
   outscores its parent, so the kept set is a tree), and cuts those below ``threshold``; drafting
   stops early at a level whose best path is already below it (each level costs a head call),
   and, with width fitting on (``use_cost``), at a level not expected to pay on this machine:
   ``runtime.width.VerifyCost.level_pays`` weighs the tokens it is expected to add against the seconds the
   runtime measured levels to cost and the pass's cost curve.
 
-Sampling stays exact (``verify.rejection_accept_tree``): a node's children are drawn without
-replacement from that node's own distribution, in draw order, and whether a child is kept or
-expanded must not depend on which token was drawn. So when sampling, a child of rank r is scored
-with its parent's r-th largest probability instead of its own, and the tree keeps the
-``expand`` best of each level (a beam, ``expand`` x ``depth`` nodes): every kept set is then
-decided by the parents' distributions alone. ``Draft.q_index`` names each node's row.
+Sampling drafts the same tree: the head's likeliest tokens, none of them drawn. Each is a certain
+token (a point mass), accepted with the chance the target itself gives it and, where rejected, left
+out of the residual its siblings are tried against (``accept.point_accept_tree``), so the output
+keeps the target's distribution whatever the tree is and however it was cut. Drawing the children
+from the head's distribution instead would be accepted with chance sum min(p, q), but keeps the tree
+from being cut by its tokens' own chances (a cut must not depend on which tokens were drawn), and
+the head's top guesses cover more of the target's mass than its draws.
 
 A batch: the rows' head caches are the rows of one batched cache, each at its own length; each
 level of every row's tree runs in one head call (a row whose best path fell below the threshold sits
@@ -42,7 +43,7 @@ tensor slots and builds its mask from tensors, and runs as one function of fixed
 as the verify step is (a CUDA graph on GPU). Drafting and the trees it gives are unchanged.
 
 With ``lookup`` = k > 0 a step also grafts up to k tokens copied from the context, or where it
-has no match from the ``corpus`` (``lookup.with_lookup``; point-mass q rows when sampling).
+has no match from the ``corpus`` (``lookup.with_lookup``).
 """
 
 from __future__ import annotations
@@ -57,12 +58,11 @@ from torch.nn import functional as F
 from ..core import cache as kv
 from ..core.accept import Accepted
 from ..core.backbone import Backbone
-from ..core.sampling import pick_candidates, probs_from_logits
 from ..core.tree import Tree, additive_mask, check_dynamic_tree, subtree, tree_tensors
 from ..core.types import DecodeState, Draft, Drafter, TargetOut, VerifyStep, WidthFit
 from ..corpus import Corpus
 from ..heads import Heads, heads_in_dtype
-from .base import check_lookup, check_threshold, full_vocab
+from .base import check_lookup, check_threshold
 from .lookup import with_lookup
 
 
@@ -72,9 +72,7 @@ class _Pool:
 
     tokens: torch.Tensor            # (R, P) token ids
     parents: torch.Tensor           # (R, P) pool id of each node's parent (root: -1)
-    scores: torch.Tensor            # (R, P) log path score (greedy: log path probability)
-    q: torch.Tensor | None          # (R, rows, V_draft) the distributions drawn from (sampling)
-    frontiers: list                 # per level after the first: (R, k) pool ids of the nodes expanded
+    scores: torch.Tensor            # (R, P) log path probability
     levels: list[int]               # per row: levels drafted
 
 
@@ -94,7 +92,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
     static_step: "VerifyStep | None" = None   # the verify step the head's static passes match (use_step)
     _static = None                            # ``_static_pass``, compiled as that step is (``step.function``)
-    _tree = None                              # ``_tree_pass`` (a greedy step's whole draft), compiled likewise
+    _tree = None                              # ``_tree_pass`` (a step's whole draft), compiled likewise
     # Width fitting's prices (``use_cost``): with them, drafting stops at the level that would not pay.
     cost: "WidthFit | None" = None
     cost_rows: int | None = None              # the rows its passes run (a static step's); None: the live rows
@@ -218,29 +216,19 @@ class EagleDrafter(Drafter):
             self.root_state[b] = run[i: i + 1, sizes[i] - 1: sizes[i]]
 
     # ------------------------------------------------------------------ drafting
-    def _candidates(self, logits: torch.Tensor, state: DecodeState):
-        """(r, V_draft) logits -> (r, expand) draft ids, their scores (log-prob used for ranking), q (r, V_draft) or None."""
-        k = self.expand
-        if not state.params.do_sample:
-            logp = logits.float().log_softmax(-1)
-            score, cand = logp.topk(k, dim=-1)
-            return cand, score, None
-        q = probs_from_logits(logits, state.params)
-        cand = pick_candidates(q, k, params=state.params, generator=state.generator)
-        # Rank r is scored by the row's r-th largest probability, never by the token drawn.
-        score = q.topk(k, dim=-1).values.clamp(min=1e-30).log()
-        return cand, score, q
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r, V_draft) logits -> each row's ``expand`` likeliest draft ids and their log-probabilities."""
+        score, cand = logits.float().log_softmax(-1).topk(self.expand, dim=-1)
+        return cand, score
 
     @torch.no_grad()
     def draft(self, states: list[DecodeState]) -> list[Draft]:
         """Every row's tree: each level of all rows in one head call, then the cut (``_cut``), as tensor ops
-        on the model's device. Rows draw their candidates level by level, in row order within a level (the
-        generator is consumed in that order, not row after row). Nothing is read back to the host unless a
+        on the model's device, greedy or sampling alike. Nothing is read back to the host unless a
         threshold is set or width fitting prices each level (``use_cost``): then one read of the level's
         scores per level, for all rows."""
         dev, k, R = self.backbone.device, self.expand, len(states)
-        sampling = states[0].params.do_sample
-        if self._tree is not None and not sampling and self.threshold <= 0:
+        if self._tree is not None and self.threshold <= 0:
             return self._static_grow(states)
         reads = self.threshold > 0 or (self.cost is not None and self.level_stop)
         rows = [s.row for s in states]
@@ -251,12 +239,11 @@ class EagleDrafter(Drafter):
         H = prev.shape[-1]
         # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
-        cand, score, q = self._candidates(self._logits(prev[:, 0]), states[0])               # (R, k)
+        cand, score = self._candidates(self._logits(prev[:, 0]))                              # (R, k)
         rho = score[:, 0].float().exp() if reads else None   # (R,) the last level's mean top probability (width fitting)
         tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
         parents = [torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.long, device=dev)]
         scores = [torch.zeros(R, 1, device=dev), score.float()]
-        qs = [q[:, None]] if sampling else []     # per level (R, rows, V_draft); level 1 has one row (the root's)
         fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
         parent_place, own = _level_layout(R, k, dev)              # fidx of every level after the first; own places
         anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # static: the newest level's drafted ancestors' places
@@ -269,7 +256,7 @@ class EagleDrafter(Drafter):
             span = newest + (self.depth - 1) * k
             seen = torch.zeros(R, 1, span, dtype=self.dtype, device=dev).masked_fill_(
                 torch.arange(span, device=dev) >= committed[:, None, None], torch.finfo(self.dtype).min)
-        start, levels, frontiers = 1, [1] * R, []
+        start, levels = 1, [1] * R
         active, a = list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
             best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
@@ -288,7 +275,6 @@ class EagleDrafter(Drafter):
                         break
                 a = torch.tensor(active, device=dev)
             top = start + best                                                                  # (R, k) pool ids
-            frontiers.append(top)
             # Each runs in slot past + d - 1, reading its parent's output state.
             place = fidx.gather(1, best)                                                        # (R, k) parents'
             feature = prev.gather(1, place[..., None].expand(-1, -1, H))                       # (R, k, H)
@@ -308,7 +294,7 @@ class EagleDrafter(Drafter):
                     run = self._run(feature[a], tokens[-1].gather(1, best)[a], rope, seen[a, None, :, :top_slot],
                                     [rows[b] for b in active])
             prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)
-            cand, score, q = self._candidates(self._logits(run.reshape(-1, H)), states[0])     # (A * k, k)
+            cand, score = self._candidates(self._logits(run.reshape(-1, H)))                  # (A * k, k)
             A = len(active)
             level = score.float().view(A, k, k)
             if A < R:
@@ -321,22 +307,19 @@ class EagleDrafter(Drafter):
             tokens.append(ids)
             parents.append(_each_k_times(top, k))
             scores.append((top_scores[:, :, None] + level).reshape(R, k * k))
-            if sampling:
-                qs.append(q.view(A, k, -1) if A == R else q.new_zeros(R, k, q.shape[-1]).index_copy_(0, a, q.view(A, k, -1)))
             fidx = parent_place
             start += tokens[-2].shape[1]
             for b in active:
                 levels[b] += 1
         pool = _Pool(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), scores=torch.cat(scores, 1),
-                     q=torch.cat(qs, 1) if sampling else None, frontiers=frontiers, levels=levels)
-        drafts = self._cut(pool, sampling) if self.threshold <= 0 and len(set(levels)) == 1 else \
-            [self._cut_row(pool, b, sampling) for b in range(R)]
+                     levels=levels)
+        drafts = self._cut(pool) if self.threshold <= 0 and len(set(levels)) == 1 else \
+            [self._cut_row(pool, b) for b in range(R)]
         return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
                 for d, s in zip(drafts, states)]
 
-    def _pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a pool of L levels: each node's rank among its siblings, its depth, and the q row it was drawn
-        from (level 1's is the root's, row 0; a child of place j in level d's run, 1 + (d - 1) k + j), (P,) each."""
+    def _pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a pool of L levels: each node's rank among its siblings and its depth, (P,) each."""
         if torch.compiler.is_compiling():   # (a compiled pass makes them as constants)
             return self._make_pool_layout(L)
         key = (L, self.backbone.device)
@@ -344,40 +327,25 @@ class EagleDrafter(Drafter):
             self._layouts[key] = self._make_pool_layout(L)
         return self._layouts[key]
 
-    def _make_pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _make_pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, dev = self.expand, self.backbone.device
         ranks = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.arange(k, device=dev)]
                           + [torch.arange(k, device=dev).repeat(k)] * (L - 1))
         depths = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.ones(k, dtype=torch.long, device=dev)]
                            + [torch.full((k * k,), d + 2, dtype=torch.long, device=dev) for d in range(L - 1)])
-        qrows = torch.cat([torch.zeros(1 + k, dtype=torch.long, device=dev)]
-                          + [1 + d * k + torch.arange(k, device=dev).repeat_interleave(k) for d in range(L - 1)])
-        return ranks, depths, qrows
+        return ranks, depths
 
-    def _cut(self, pool: "_Pool", sampling: bool) -> list[Draft]:
-        """Every row's tree out of its pool, all rows at once on the device (every row drafted ``L`` levels).
-
-        Greedy (EAGLE-2): the ``nodes`` best-scored nodes of the pool. A child never outscores its parent and
-        ties go to the lower pool id (the parent's), so the kept set is a tree. Sampling: a beam, the best
-        ``expand`` of every level, decided by the parents' distributions alone."""
-        k, L, R = self.expand, pool.levels[0], pool.tokens.shape[0]
+    def _cut(self, pool: "_Pool") -> list[Draft]:
+        """Every row's tree out of its pool, all rows at once on the device (every row drafted ``L`` levels):
+        the ``nodes`` best-scored nodes of the pool (EAGLE-2). A child never outscores its parent and ties go
+        to the lower pool id (the parent's), so the kept set is a tree."""
+        k, L = self.expand, pool.levels[0]
         P = 1 + k + (L - 1) * k * k
-        if sampling:
-            last = P - (k if L == 1 else k * k) + torch.sort(-pool.scores[:, P - (k if L == 1 else k * k): P], dim=1,
-                                                             stable=True).indices[:, :k]
-            keep = torch.cat(pool.frontiers[: L - 1] + [last], dim=1)
-        else:
-            keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
-        nodes, tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
+        keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
+        _, tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
             pool.tokens, pool.parents, pool.scores, keep, L)
-        qrows = self._pool_layout(L)[2]
-        drafts = []
-        for b in range(R):
-            tree = Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b])
-            q_full = None if not sampling else full_vocab(pool.q[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
-            drafts.append(Draft(tree=tree, tokens=tokens[b], q=q_full, q_index=qrows[nodes[b]] if sampling else None,
-                                path_p=path_p[b]))
-        return drafts
+        return [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
+                      tokens=tokens[b], path_p=path_p[b]) for b in range(tokens.shape[0])]
 
     def _kept_tree(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor,
                    L: int) -> tuple[torch.Tensor, ...]:
@@ -391,35 +359,25 @@ class EagleDrafter(Drafter):
         place = torch.full_like(tokens, -1).scatter(1, nodes, torch.arange(n, device=dev).expand(R, n))
         tree_parents = place.gather(1, parents.gather(1, nodes).clamp(min=0))
         tree_parents = torch.where(torch.arange(n, device=dev) == 0, -1, tree_parents)
-        ranks, depths, _ = self._pool_layout(L)
+        ranks, depths = self._pool_layout(L)
         _, ancestors = tree_tensors(tree_parents, max_depth=L)
         return (nodes, tokens.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
                 scores.gather(1, nodes).exp())
 
-    def _cut_row(self, pool: "_Pool", b: int, sampling: bool) -> Draft:
+    def _cut_row(self, pool: "_Pool", b: int) -> Draft:
         """``_cut`` for one row whose pool differs from the others' (a threshold: on the host, row by row)."""
         k, L = self.expand, pool.levels[b]
         dev = pool.tokens.device
         n = 1 + k + (L - 1) * k * k                 # this row's pool
         score_b, parents_b = pool.scores[b, :n], pool.parents[b, :n]
-        if sampling:
-            lvl = torch.arange(n - (k if L == 1 else k * k), n, device=dev)
-            last = lvl[torch.sort(-score_b[lvl], stable=True).indices[:k]]
-            keep = torch.cat([f[b] for f in pool.frontiers[: L - 1]] + [last])
-        else:
-            keep = torch.sort(-score_b[1:], stable=True).indices[: self.nodes] + 1
+        keep = torch.sort(-score_b[1:], stable=True).indices[: self.nodes] + 1
         if self.threshold > 0:
             keep = keep[score_b[keep].exp() >= self.threshold]
             keep = keep[self._closed(keep, parents_b)]
         keep, _ = torch.sort(keep)                     # pool order: parents before children
         nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep])
-        ranks, _, qrows = self._pool_layout(L)
-        tree = subtree(parents_b, ranks[:n], nodes, max_depth=self.depth)
-        q_full, q_index = None, None
-        if sampling:
-            q_full = full_vocab(pool.q[b, : 1 + (L - 1) * k], self.vocab, self.backbone.vocab_size)
-            q_index = qrows[nodes]
-        return Draft(tree=tree, tokens=pool.tokens[b, nodes], q=q_full, q_index=q_index, path_p=score_b[nodes].exp())
+        tree = subtree(parents_b, self._pool_layout(L)[0][:n], nodes, max_depth=self.depth)
+        return Draft(tree=tree, tokens=pool.tokens[b, nodes], path_p=score_b[nodes].exp())
 
     # ------------------------------------------------------------------ static shapes (compile=True)
     def use_step(self, step: VerifyStep | None) -> None:
@@ -445,7 +403,7 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def warm_up(self, step: VerifyStep, *, batch: int = 1, sampled: bool = False) -> None:
         """Compile now every static head pass decoding batches of ``batch`` rows with ``step`` (its capacity
-        reserved) can run: a greedy step's draft (``_tree_pass``) or, sampled or under a threshold, a draft
+        reserved) can run: a step's whole draft (``_tree_pass``) or, under a threshold, a draft
         level, and a commit at every bucket an accepted path can fill."""
         self.use_step(step)
         if self._static is None:
@@ -457,7 +415,7 @@ class EagleDrafter(Drafter):
         keys, values = cache.keys, cache.values
         H, A = self.head.fc.weight.shape[0], self.head.fc.weight.shape[1]
         idx = lambda n: torch.arange(n, device=dev)[None].repeat(batch, 1)   # noqa: E731
-        if sampled or self.threshold > 0:
+        if self.threshold > 0:
             self._static(keys, values, torch.zeros(batch, k, H, dtype=self.dtype, device=dev), idx(k), idx(k), idx(k),
                          idx(k), idx(k)[..., None].repeat(1, 1, self.depth), False)
             buckets = {self.static_step.bucket(m) for m in range(1, self._longest_path() + 1)}
@@ -493,7 +451,7 @@ class EagleDrafter(Drafter):
                    cpositions: torch.Tensor, cslots: torch.Tensor, climit: torch.Tensor, sizes: torch.Tensor,
                    root: torch.Tensor, pending: torch.Tensor, committed: torch.Tensor,
                    past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A greedy step's head work for every row of the static head cache in one pass: the last step's
+        """A step's head work for every row of the static head cache in one pass: the last step's
         accepted slots (``_commit_static``'s inputs aux .. climit, sizes (B,) how many are real per row, 0:
         none, the root state is ``root`` (B, H)), then ``depth`` levels grown, scored and cut as ``_grow`` and
         ``_cut`` do (the same trees, in the same node order), with nothing read back. pending: (B,) each
@@ -540,7 +498,7 @@ class EagleDrafter(Drafter):
         return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)[1:]
 
     def _static_grow(self, states: list[DecodeState]) -> list[Draft]:
-        """``_grow`` for a greedy step at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
+        """``_grow`` at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
         over every row of the head cache (an idle row drafts at the top slots, which no row reads)."""
         dev, k, B = self.backbone.device, self.expand, self.cache.batch
         C = self.cache.keys[0].shape[2]
@@ -617,7 +575,7 @@ class EagleDrafter(Drafter):
         (the padding's slots lie where the next step's drafts write before anything reads them)."""
         dev = self.backbone.device
         sizes = [len(a.path) for a in accepted]
-        fused = self._tree is not None and not states[0].params.do_sample and self.threshold <= 0
+        fused = self._tree is not None and self.threshold <= 0
         self._flush()   # a commit the last step left to a draft that never ran (a plain step)
         # Fused (the next draft is a whole-tree pass): padded to the longest path, so the pass has one shape.
         N = self.static_step.bucket(max(sizes) if not fused else max(self._longest_path(), *sizes))

@@ -129,7 +129,8 @@ class EarlyExitDrafter(Drafter):
                               cache=target.rows([rows[b] for b in active]))                      # (A, 1, H)
             adapted = self._adapt(h, pos, rows=[states[b].row for b in active], mask=mask)
             z = self.project(bb.final_norm(adapted[:, 0]))                                     # (A, V_draft)
-            cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=states[0])
+            cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=states[0],
+                                  draw=True)
             still = []
             for i, b in enumerate(active):
                 hiddens[b].append(h[i:i + 1])

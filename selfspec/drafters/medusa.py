@@ -4,8 +4,10 @@ No extra forward pass: the hidden state that produced the pending token comes ou
 previous verification (or prefill), and head d's top candidates fill depth d of the tree.
 With ``threshold`` > 0 the tree is cut each step to the nodes the heads give at least that path
 probability; with ``gate`` > 0 a step whose tree the heads expect to get fewer than ``gate``
-tokens accepted proposes nothing and costs one plain step (``tree.prune``). Both read only the
-heads' distributions (see ``row_candidates``), so sampling stays exact. With ``lookup`` = k > 0,
+tokens accepted proposes nothing and costs one plain step (``tree.prune``). When sampling, head d's
+likeliest tokens (after the sampling processors) fill depth d too, undrawn: each is a certain token,
+accepted with the chance the target itself gives it (``accept.point_accept_tree``), so sampling stays
+exact whatever is cut. With ``lookup`` = k > 0,
 steps also graft up to k tokens copied from the context onto the tree (``lookup.py``).
 """
 
@@ -73,7 +75,7 @@ class MedusaDrafter(Drafter):
     def _draft_from(self, logits: torch.Tensor, state: DecodeState) -> Draft:
         """One row's tree from its heads' logits (depth, V_draft)."""
         cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
-                              vocab_size=self.backbone.vocab_size, state=state)
+                              vocab_size=self.backbone.vocab_size, state=state, draw=False)
         tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
         draft = Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q,
                       path_p=layout_path_p(tree, cand.conf))

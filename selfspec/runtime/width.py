@@ -18,11 +18,11 @@ commits, only how many come per step. Drafts whose drafter already ran part of t
 Sampling is cut too, and stays exact. Recursive rejection sampling (``verify.rejection_accept_tree``)
 needs each drafted child to be a draw from its q given the siblings tried before it, so a cut may
 end a node's list of drafted children early but never skip one and keep a later one, and what it
-keeps must not depend on the tokens drawn at that node. Both hold: when sampling, every drafter
-scores a node without its own token (EAGLE by its parent's r-th largest probability for rank r,
-Medusa by the row's largest, copied tokens and the draft model by depth priors), so siblings score in
-rank order and ties go to the lower rank (``trim``). A copied token is a point mass: keeping it after
-dropping a drafted sibling is still exact (its "draw" is certain). Which nodes a cut keeps may depend
+keeps must not depend on the tokens drawn at that node. Both hold: when sampling, a drafter that draws
+scores a drawn node without its own token (early exit by the row's largest probability, the draft
+model by depth priors), so siblings score in rank order and ties go to the lower rank (``trim``). A
+token proposed without a draw (Medusa's and EAGLE's likeliest, a copied one) is a point mass: any cut
+of those is exact, and keeping one after dropping a drawn sibling is too (its "draw" is certain). Which nodes a cut keeps may depend
 on tokens drawn elsewhere in the tree (an ancestor's, a sibling's subtree), which are fixed or
 independent of the acceptance at that node: the same as deciding how many children to draw before
 drawing them. ``tests/test_batch.py`` checks the output distribution with every width cut.
