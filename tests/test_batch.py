@@ -23,6 +23,7 @@ from selfspec.core.sampling import SamplingParams
 from selfspec.core.tree import build_tree, chain, chain_with_siblings
 from selfspec.core.types import DecodeState, Draft, Drafter, Resume
 from selfspec.drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter
+from selfspec.drafters.base import row_candidates
 from selfspec.drafters.draft_model import truncated_copy
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 from selfspec.runtime.step import StaticStep
@@ -723,8 +724,6 @@ class _TwoDrawnSiblings(Drafter):
         self.logits[0, token] = math.log(vocab - 1)
 
     def draft(self, states):
-        from selfspec.drafters.base import row_candidates
-
         tree, drafts = build_tree(((0,), (1,))), []
         for s in states:
             c = row_candidates(self.logits, 2, vocab=None, vocab_size=self.logits.shape[1], state=s, draw=True)

@@ -41,17 +41,20 @@ def row_candidates(
     which tokens were drawn from it (the acceptance rule assumes the candidates are plain draws from q),
     so the whole row stands or falls together, decided by q alone.
     """
+    q = None
     if not state.params.do_sample:
         cand = pick_candidates(logits, width, params=state.params, generator=None)
-        return Candidates(tokens=cand if vocab is None else vocab[cand], q=None,
-                          conf=logits.float().softmax(-1).gather(1, cand))
-    q_small = probs_from_logits(logits, state.params)
-    if not draw:
-        cand = torch.topk(q_small, width, dim=-1).indices
-        return Candidates(tokens=cand if vocab is None else vocab[cand], q=None, conf=q_small.gather(1, cand))
-    cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
-    return Candidates(tokens=cand if vocab is None else vocab[cand], q=full_vocab(q_small, vocab, vocab_size),
-                      conf=q_small.max(-1, keepdim=True).values.expand(-1, width))
+        conf = logits.float().softmax(-1).gather(1, cand)
+    else:
+        q_small = probs_from_logits(logits, state.params)
+        if draw:
+            cand = pick_candidates(q_small, width, params=state.params, generator=state.generator)
+            q = full_vocab(q_small, vocab, vocab_size)
+            conf = q_small.max(-1, keepdim=True).values.expand(-1, width)
+        else:
+            cand = q_small.topk(width, dim=-1).indices
+            conf = q_small.gather(1, cand)
+    return Candidates(tokens=cand if vocab is None else vocab[cand], q=q, conf=conf)
 
 
 def full_vocab(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

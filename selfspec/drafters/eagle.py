@@ -342,7 +342,7 @@ class EagleDrafter(Drafter):
         k, L = self.expand, pool.levels[0]
         P = 1 + k + (L - 1) * k * k
         keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
-        _, tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
+        tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
             pool.tokens, pool.parents, pool.scores, keep, L)
         return [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
                       tokens=tokens[b], path_p=path_p[b]) for b in range(tokens.shape[0])]
@@ -350,7 +350,7 @@ class EagleDrafter(Drafter):
     def _kept_tree(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor,
                    L: int) -> tuple[torch.Tensor, ...]:
         """Every row's tree of the pool nodes ``keep`` (R, m) (a pool of L levels: tokens, parents, scores
-        (R, P)): its nodes (the root, then ``keep`` in pool order), their tokens, parents renumbered to tree
+        (R, P)), its nodes the root then ``keep`` in pool order: their tokens, parents renumbered to tree
         places, depths, ranks (R, n), ancestors (R, n, n) and path probabilities (R, n)."""
         R, dev = tokens.shape[0], tokens.device
         nodes = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)   # (R, n)
@@ -361,7 +361,7 @@ class EagleDrafter(Drafter):
         tree_parents = torch.where(torch.arange(n, device=dev) == 0, -1, tree_parents)
         ranks, depths = self._pool_layout(L)
         _, ancestors = tree_tensors(tree_parents, max_depth=L)
-        return (nodes, tokens.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
+        return (tokens.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
                 scores.gather(1, nodes).exp())
 
     def _cut_row(self, pool: "_Pool", b: int) -> Draft:
@@ -465,7 +465,7 @@ class EagleDrafter(Drafter):
         root = torch.where((sizes > 0)[:, None], last, root)
         t = torch.arange(keys[0].shape[2], device=dev)
         rows = torch.arange(B, device=dev)[:, None].expand(B, k)
-        score, cand = self._logits(root).float().log_softmax(-1).topk(k, dim=-1)
+        cand, score = self._candidates(self._logits(root))
         tokens = [pending[:, None], self._to_ids(cand)]
         parents = [torch.full((B, 1), -1, device=dev), torch.zeros(B, k, dtype=torch.long, device=dev)]
         scores = [torch.zeros(B, 1, device=dev), score]
@@ -486,7 +486,7 @@ class EagleDrafter(Drafter):
             prev = self.head(feature, emb, position_embeddings=bb.rotary_emb(feature, position_ids=positions),
                              cache=kv.SlotWriter(keys, values, rows, own),
                              attention_mask=additive_mask(visible, self.dtype))
-            score, cand = self._logits(prev.reshape(-1, H)).float().log_softmax(-1).topk(k, dim=-1)
+            cand, score = self._candidates(self._logits(prev.reshape(-1, H)))
             tokens.append(self._to_ids(cand).reshape(B, k * k))
             parents.append(_each_k_times(top, k))
             scores.append((top_scores[:, :, None] + score.view(B, k, k)).reshape(B, k * k))
@@ -495,7 +495,7 @@ class EagleDrafter(Drafter):
             start += tokens[-2].shape[1]
         pool, pool_parents, pool_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
         keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1   # as ``_cut``
-        return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)[1:]
+        return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)
 
     def _static_grow(self, states: list[DecodeState]) -> list[Draft]:
         """``_grow`` at static shapes: the live rows' whole drafts in one call of ``_tree_pass``

@@ -22,10 +22,10 @@ keeps must not depend on the tokens drawn at that node. Both hold: when sampling
 scores a drawn node without its own token (early exit by the row's largest probability, the draft
 model by depth priors), so siblings score in rank order and ties go to the lower rank (``trim``). A
 token proposed without a draw (Medusa's and EAGLE's likeliest, a copied one) is a point mass: any cut
-of those is exact, and keeping one after dropping a drawn sibling is too (its "draw" is certain). Which nodes a cut keeps may depend
-on tokens drawn elsewhere in the tree (an ancestor's, a sibling's subtree), which are fixed or
-independent of the acceptance at that node: the same as deciding how many children to draw before
-drawing them. ``tests/test_batch.py`` checks the output distribution with every width cut.
+of those is exact, and keeping one after dropping a drawn sibling is too (its "draw" is certain).
+Which nodes a cut keeps may depend on tokens drawn elsewhere in the tree (an ancestor's, a sibling's
+subtree), which are fixed or independent of the acceptance at that node: the same as deciding how
+many children to draw before drawing them. ``tests/test_batch.py`` checks the output distribution with every width cut.
 
 Drafting itself is priced too, where it comes in stages. The EAGLE head drafts its tree level by
 level, each level one head call: on a CPU a visible share of a one-token pass, on a GPU a small
