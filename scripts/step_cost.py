@@ -1,13 +1,15 @@
 """The host work of one decoding step, per drafter, against transformers' cost of one token.
 
-    python scripts/step_cost.py [--runs 7] [--new 96] [--prompt 64] [--threads 1] [--compile]
+    python scripts/step_cost.py [--runs 7] [--new 96] [--prompt 64] [--batch 1] [--threads 1] [--compile]
 
 On a tiny random llama (4 layers, hidden 64, vocabulary 512) the model's own arithmetic is nearly free,
 so what a step costs here is the loop's Python and small-tensor work: the part of a step that a GPU
 cannot hide. Each drafter (untrained heads, width fitting off, so every step verifies its whole tree)
 decodes ``--new`` tokens after a ``--prompt``-token prompt, greedy, interleaved with transformers' greedy
 ``generate``, in one process; the fastest of ``--runs`` runs of each is reported as milliseconds per
-verification step, and as a multiple of transformers' milliseconds per token.
+verification step, and as a multiple of transformers' milliseconds per token. With ``--batch`` B, each
+decode runs B prompts (against transformers' batched ``generate`` of B rows): a step verifies every row
+and transformers' step makes a token for each, so what grows with the rows shows up as a larger multiple.
 """
 
 from __future__ import annotations
@@ -39,17 +41,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--new", type=int, default=96, help="new tokens per run")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per decode")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="selfspec's drafters through the compiled static step")
     ap.add_argument("--drafters", default="none,lookup,medusa,eagle,early-exit,draft-model")
     a = ap.parse_args()
-    if a.runs < 1 or a.new < 1 or a.prompt < 1:
-        ap.error("--runs, --new and --prompt must be at least 1")
+    if min(a.runs, a.new, a.prompt, a.batch) < 1:
+        ap.error("--runs, --new, --prompt and --batch must be at least 1")
     torch.set_num_threads(a.threads)
     from selfspec.model import SelfSpeculativeModel, untrained_heads
 
     model = tiny_llama()
-    ids = torch.randint(1, 512, (1, a.prompt), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, 512, (a.batch, a.prompt), generator=torch.Generator().manual_seed(0))
     made = {}
     for name in a.drafters.split(","):
         heads = {"medusa": "medusa", "eagle": "eagle", "early-exit": "early-exit"}.get(name)
@@ -63,12 +66,13 @@ def main() -> None:
 
     def hf():
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False)
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new, min_new_tokens=a.new,
+                           do_sample=False)
         return a.new
 
     def ours(sm):
         sm.generate(ids, max_new_tokens=a.new)
-        return sm.last_stats.steps
+        return sm.last_stats.target_forwards - 1   # the decode's steps (each verifies every row)
 
     runs = {"hf": (hf, [])} | {n: ((lambda sm=sm: ours(sm)), []) for n, sm in made.items()}
     for fn, _ in runs.values():   # warm-up (compiles, first-call allocations)
@@ -80,7 +84,7 @@ def main() -> None:
             times.append((time.perf_counter() - t) * 1e3 / steps)
     base = min(runs["hf"][1])
     print(f"tiny llama (4 layers, hidden 64, vocab 512), {a.threads} thread(s), {a.prompt}-token prompt, "
-          f"{a.new} new tokens, fastest of {a.runs}{', compiled' if a.compile else ', eager'}, torch {torch.__version__}")
+          f"{a.new} new tokens, {a.batch} row(s), fastest of {a.runs}{', compiled' if a.compile else ', eager'}, torch {torch.__version__}")
     print("| method | ms per step | x transformers' ms per token | tau |\n|---|---|---|---|")
     print(f"| transformers generate | {base:.2f} | 1.00 | 1.00 |")
     for name, sm in made.items():

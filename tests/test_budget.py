@@ -108,12 +108,12 @@ def test_nodes_without_probabilities_get_the_copy_prior_and_copies_extend_the_dr
     # with the chance of a token copied after a match of two tokens.
     state = DecodeState(ids=[7, 8, 9, 4, 7, 8], cache=None, params=GREEDY, generator=None)
     draft = Draft(tree=tree, tokens=torch.tensor([8, 9, 3, 5]), path_p=layout_path_p(tree, conf))
-    grafted = with_lookup(draft, state, 2, vocab_size=20)
+    grafted = with_lookup([draft], [state], 2, vocab_size=20)[0]
     assert grafted.tokens.tolist() == [8, 9, 3, 5, 4]
     assert grafted.path_p.tolist() == pytest.approx([1.0, 0.9, 0.45, 0.05, 0.9 * COPY_ACCEPT_BY_MATCH[1][1]])
     # A new chain under the root starts at the first chance: here after a match of one token (8 -> 6 1).
     state = DecodeState(ids=[8, 6, 1, 2, 8], cache=None, params=GREEDY, generator=None)
-    grafted = with_lookup(Draft(tree=tree, tokens=torch.tensor([8, 9, 3, 5])), state, 2, vocab_size=20)
+    grafted = with_lookup([Draft(tree=tree, tokens=torch.tensor([8, 9, 3, 5]))], [state], 2, vocab_size=20)[0]
     first, nxt = COPY_ACCEPT_BY_MATCH[0]
     assert grafted.tokens.tolist() == [8, 9, 3, 5, 6, 1]
     assert grafted.path_p.tolist() == pytest.approx(prior + [first, first * nxt])

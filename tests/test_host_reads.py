@@ -4,8 +4,9 @@ Each read of a device tensor back to the host (``.tolist()``, ``.item()``, ``int
 of a tensor, ``.cpu()``, ``.numpy()``, ``nonzero``) stalls the host until the device has caught up. A
 step needs one: the accepted lengths (``accept.greedy_accept_rows``, one read for every row). Width
 fitting decides the pass's shape on the host, so it reads every row's draft once more (``read_host``);
-a lookup graft reads the draft it grafts onto (and then the fitting reads nothing). On the CPU every
-tensor is on the host, so these tests count the calls themselves: any new read in a step shows up here.
+a lookup graft reads the drafts it grafts onto, every row's at once (and then the fitting reads
+nothing). On the CPU every tensor is on the host, so these tests count the calls themselves: any new
+read in a step shows up here.
 """
 
 from __future__ import annotations
@@ -58,18 +59,19 @@ def test_the_counter_sees_every_kind_of_read():
     assert reads.count == 7
 
 
-def _reads_per_step(name: str, fit: bool, lookup: int) -> tuple[int, int]:
+def _reads_per_step(name: str, fit: bool, lookup: int, rows: int = 1) -> tuple[int, int]:
+    """(host reads in the decode's steps, its steps: loop iterations, each verifying every live row)."""
     model = tiny_model("llama")
     kind = {"medusa": "medusa", "eagle": "eagle"}.get(name)
     heads = untrained_heads(kind, model, "t") if kind else None
     kw = {} if kind is None else {"lookup": lookup}
     sm = SelfSpeculativeModel(model, None, drafter_name=name, heads=heads, name="t", fit_width=fit, **kw)
     # A prompt that repeats itself, so that the lookup finds matches to graft.
-    ids = torch.arange(1, PROMPT + 1)[None] % 17 + 3
+    ids = (torch.arange(1, PROMPT + 1)[None] + torch.arange(rows)[:, None]) % 17 + 3
     sm.generate(ids, max_new_tokens=NEW)   # warm-up: width fitting times its prior here
     with _Reads() as reads:
         sm.generate(ids, max_new_tokens=NEW)
-    return reads.count - PREFILL_READS, sm.last_stats.steps
+    return reads.count - PREFILL_READS * rows, sm.last_stats.target_forwards - 1
 
 
 @pytest.mark.parametrize("name", ["none", "medusa", "eagle"])
@@ -86,3 +88,11 @@ def test_fitting_and_grafting_add_one_read_a_step(name, one_thread):
     reads, steps = _reads_per_step(name, fit=True, lookup=4)
     levels = 4 if name == "eagle" else 0   # the EAGLE head's default depth 5: four priced levels at most
     assert reads <= (2 + levels) * steps, f"{name}: {reads} host reads in {steps} steps"
+
+
+@pytest.mark.parametrize("name", ["lookup", "medusa", "eagle"])
+def test_a_batch_step_reads_as_often_as_a_one_row_step(name, one_thread):
+    """Four rows, each grafting copies: a step reads every row's draft in one transfer and every row's
+    accepted length in one more, not once a row."""
+    reads, steps = _reads_per_step(name, fit=False, lookup=4, rows=4)
+    assert reads <= 2 * steps, f"{name}: {reads} host reads in {steps} steps of 4 rows"

@@ -175,7 +175,7 @@ def test_lookup_grafts_when_sampling_and_is_validated():
     state = DecodeState(ids=[5, 6, 7, 5, 6], cache=None, params=params, generator=None)
     q = torch.full((1, V), 1.0 / V)
     base = Draft(tree=tree, tokens=torch.tensor([6, 9]), q=q)          # the heads drew 9 under the root
-    merged = with_lookup(base, state, 4, vocab_size=V)                  # context says 7, 5, 6 follow 5, 6
+    merged = with_lookup([base], [state], 4, vocab_size=V)[0]                  # context says 7, 5, 6 follow 5, 6
     assert merged.tree.paths == ((0,), (1,), (1, 0), (1, 0, 0))
     assert merged.tokens.tolist() == [6, 9, 7, 5, 6]
     assert merged.q_index.tolist()[1:] == [0, 1, 2, 3]

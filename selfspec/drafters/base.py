@@ -62,14 +62,16 @@ def full_vocab(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> 
     return q if vocab is None else q.new_zeros(q.shape[0], vocab_size).index_copy_(1, vocab, q)
 
 
-def layout(tree: Tree, root: int, cand: torch.Tensor) -> torch.Tensor:
-    """Node i at depth d and rank r gets candidate r of row d - 1 -> (n,) tokens, root first.
+def layout(tree: Tree, root, cand: torch.Tensor) -> torch.Tensor:
+    """Node i at depth d and rank r gets candidate r of row d - 1: cand (..., depth, width) -> (..., n)
+    tokens, root first (root: one value, or a (...) tensor of them: a row's each).
 
     Medusa and early exit draft one distribution per depth (Medusa's head d, or the chain node at
     depth d - 1), so row d - 1 is the q a depth-d node was drawn from (``Draft.q_rows``' default).
     """
-    body = cand[tree.table_index]
-    return torch.cat([body.new_full((1,), root), body])
+    body = cand[(..., *tree.table_index)]
+    root = torch.as_tensor(root, dtype=body.dtype, device=body.device).expand(body.shape[:-1])
+    return torch.cat([root[..., None], body], dim=-1)
 
 
 def prior_chance(depth: int) -> float:
@@ -79,10 +81,11 @@ def prior_chance(depth: int) -> float:
 
 
 def layout_path_p(tree: Tree, conf: torch.Tensor) -> torch.Tensor:
-    """(n,) each node's path probability, from ``conf`` (R, width) laid out as ``layout`` lays out
-    candidates (node at depth d and rank r: conf[d - 1, r]); the root's is 1."""
-    c = torch.cat([conf.new_ones(1, dtype=torch.float32), conf[tree.table_index].float()])
-    return (tree.path_weights.to(conf.device) @ c.clamp(min=1e-30).log()).exp()
+    """(..., n) each node's path probability, from ``conf`` (..., depth, width) laid out as ``layout`` lays
+    out candidates (node at depth d and rank r: conf[..., d - 1, r]); the root's is 1."""
+    c = conf[(..., *tree.table_index)].float()
+    c = torch.cat([c.new_ones(*c.shape[:-1], 1), c], dim=-1)
+    return (c.clamp(min=1e-30).log() @ tree.path_weights.to(c.device).T).exp()
 
 
 def check_threshold(threshold: float) -> float:

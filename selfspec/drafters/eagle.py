@@ -315,8 +315,7 @@ class EagleDrafter(Drafter):
                      levels=levels)
         drafts = self._cut(pool) if self.threshold <= 0 and len(set(levels)) == 1 else \
             [self._cut_row(pool, b) for b in range(R)]
-        return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
-                for d, s in zip(drafts, states)]
+        return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def _pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a pool of L levels: each node's rank among its siblings and its depth, (P,) each."""
@@ -523,8 +522,7 @@ class EagleDrafter(Drafter):
             self.cache.keys, self.cache.values, *commit, sizes, root, pending, committed, past)
         drafts = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
                         tokens=tokens[b], path_p=path_p[b]) for b in live]
-        return [with_lookup(d, s, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
-                for d, s in zip(drafts, states)]
+        return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def _at_rows(self, live: list[int], values: list[int], idle: int) -> torch.Tensor:
         """(B,) long over every row of the head cache: ``values`` at rows ``live``, ``idle`` at the others."""

@@ -34,7 +34,7 @@ distribution), each copied node gets a one-hot q row of its own, so the drawn si
 point mass (``accept.point_accept_tree``).
 
 ``context_match``, ``graft`` and ``copy_prior`` are pure functions; ``with_lookup`` applies them to a
-step's draft, for every drafter that copies.
+step's drafts, for every drafter that copies.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.tree import Path, Tree, build_tree
-from ..core.types import DecodeState, Draft, Drafter, HostDraft
+from ..core.types import DecodeState, Draft, Drafter, HostDraft, read_host
 from ..corpus import Corpus
 from ..settings import (
     COPY_ACCEPT_BY_MATCH,
@@ -184,18 +184,25 @@ def chain_nodes(parents: Sequence[int], tokens: Sequence[int], chain: Sequence[i
     return out
 
 
-def with_lookup(draft: Draft, state: DecodeState, k: int, *, vocab_size: int, corpus: Corpus | None = None) -> Draft:
-    """A step's draft with up to k copied tokens grafted on (``copied_chain``: from the context, or where
-    it has no match of two tokens or more, from a ``corpus``, the target's own earlier answers,
-    ``corpus.py``); unchanged when k is 0 or nothing matched. Sampling, onto a draft with q rows: every
-    new node gets a one-hot q row appended to ``draft.q`` (point mass on its token)."""
+def with_lookup(drafts: list[Draft], states: list[DecodeState], k: int, *, vocab_size: int,
+                corpus: Corpus | None = None) -> list[Draft]:
+    """A step's drafts, each with up to k copied tokens grafted on (``copied_chain``: from its row's
+    context, or where that has no match of two tokens or more, from a ``corpus``, the target's own
+    earlier answers, ``corpus.py``); a draft stays as it is when k is 0 or nothing matched. The drafts
+    that take copies are read to the host together, in one transfer (``read_host``). Sampling, onto a
+    draft with q rows: every new node gets a one-hot q row appended to ``draft.q`` (point mass on its token)."""
     if not k:
-        return draft
-    copied, prior = copied_chain(state, k, corpus)
-    if not copied:
-        return draft
+        return drafts
+    chains = [copied_chain(s, k, corpus) for s in states]
+    read_host([d for d, (copied, _) in zip(drafts, chains, strict=True) if copied])
+    return [_grafted(d, s, copied, prior, vocab_size) if copied else d
+            for d, s, (copied, prior) in zip(drafts, states, chains)]
+
+
+def _grafted(draft: Draft, state: DecodeState, copied: list[int], prior: tuple[float, float], vocab_size: int) -> Draft:
+    """``draft`` with the ``copied`` chain grafted on, its copied nodes' chances from ``prior``."""
     tokens = draft.tokens
-    known = draft.host.tokens   # (one read of the draft, its tree's lists with it: ``Draft.host``)
+    known = draft.host.tokens   # (its tree's lists with it: ``Draft.host``)
     paths, merged = graft(draft.tree.paths, known, copied)
     tree = build_tree(paths, str(tokens.device))
     drawn = state.params.do_sample and draft.q is not None   # (q None: every node chosen without a draw)
@@ -234,5 +241,6 @@ class LookupDrafter(Drafter):
         self.tree = build_tree((), self.device)
 
     def draft(self, states: list[DecodeState]) -> list[Draft]:
-        return [with_lookup(Draft(tree=self.tree, tokens=torch.tensor([s.ids[-1]], device=self.device)), s, self.lookup,
-                            vocab_size=self.vocab_size, corpus=self.corpus) for s in states]
+        roots = torch.tensor([s.ids[-1] for s in states], device=self.device)
+        return with_lookup([Draft(tree=self.tree, tokens=roots[b: b + 1]) for b in range(len(states))], states,
+                           self.lookup, vocab_size=self.vocab_size, corpus=self.corpus)

@@ -59,28 +59,32 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, states: list[DecodeState]) -> list[Draft]:
-        """Every row's heads in one call, then each row's tree."""
-        return [self._draft_from(z, s) for z, s in zip(self._logits(states), states)]
+        """Every row's heads in one call, and every row's candidates, node tokens and path probabilities as
+        batched tensor ops; a row's tree is cut on its own only under a threshold or gate (``pruned``)."""
+        B, tree = len(states), self.tree
+        roots = torch.tensor([s.ids[-1] for s in states], device=self.backbone.device)            # (B,)
+        logits = self._logits(states, roots)                                                     # (B, depth, V_draft)
+        # The decode's sampling params, which every row shares (and no draw: the generator is not read).
+        cand = row_candidates(logits.flatten(0, 1), tree_width(tree), vocab=self.vocab,
+                              vocab_size=self.backbone.vocab_size, state=states[0], draw=False)
+        table, conf = cand.tokens.view(B, tree.depth, -1), cand.conf.view(B, tree.depth, -1)
+        tokens, path_p = layout(tree, roots, table), layout_path_p(tree, conf)                   # (B, n) each
+        drafts = []
+        for b in range(B):
+            cut = pruned(tree, conf[b], self.threshold, self.gate)
+            drafts.append(Draft(tree=tree, tokens=tokens[b], path_p=path_p[b]) if cut is tree else
+                          Draft(tree=cut, tokens=layout(cut, states[b].ids[-1], table[b]),
+                                path_p=layout_path_p(cut, conf[b])))
+        return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
-    def _logits(self, states: list[DecodeState]) -> torch.Tensor:
-        """(B, depth, V_draft): only the heads the tree uses, on each row's hidden state (its root: the pending token)."""
+    def _logits(self, states: list[DecodeState], roots: torch.Tensor) -> torch.Tensor:
+        """(B, depth, V_draft): only the heads the tree uses, on each row's hidden state (its root, the
+        pending token ``roots[b]``)."""
         depth = self.tree.depth
         hidden = torch.stack([self.hidden[s.row] for s in states])                               # (B, H)
-        root = None
-        if self.heads.config.token_input:
-            root = self.backbone.embed(torch.tensor([s.ids[-1] for s in states], device=hidden.device))[0]  # (B, H)
+        root = self.backbone.embed(roots)[0] if self.heads.config.token_input else None           # (B, H)
         h = self.heads.module(hidden, root)[:, :depth]                                           # (B, depth, H)
         return self.project(h.reshape(-1, h.shape[-1])).view(len(states), depth, -1)
-
-    def _draft_from(self, logits: torch.Tensor, state: DecodeState) -> Draft:
-        """One row's tree from its heads' logits (depth, V_draft)."""
-        cand = row_candidates(logits, tree_width(self.tree), vocab=self.vocab,
-                              vocab_size=self.backbone.vocab_size, state=state, draw=False)
-        tree = pruned(self.tree, cand.conf, self.threshold, self.gate)
-        draft = Draft(tree=tree, tokens=layout(tree, state.ids[-1], cand.tokens), q=cand.q,
-                      path_p=layout_path_p(tree, cand.conf))
-        return with_lookup(draft, state,
-                           self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
         for s, a, out in zip(states, accepted, outs):
