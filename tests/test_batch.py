@@ -21,7 +21,7 @@ from selfspec.core.cache import KVCache
 from selfspec.core.decode import decode_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.tree import build_tree, chain, chain_with_siblings
-from selfspec.core.types import DecodeState, Draft, Drafter, Resume
+from selfspec.core.types import DecodeState, Draft, Drafter, Drafts, Resume
 from selfspec.drafters import DraftModelDrafter, EagleDrafter, EarlyExitDrafter, LookupDrafter, MedusaDrafter, NoDrafter
 from selfspec.drafters.base import row_candidates
 from selfspec.drafters.draft_model import truncated_copy
@@ -88,10 +88,71 @@ def test_batched_greedy_acceptance_on_hand_built_rows():
     argmax = [torch.tensor([1, 2, 3, 4]),          # row 0: first draft wrong -> accept 0, bonus 1
               torch.tensor([7, 0, 8, 0, 2, 6]),    # row 1: (0,)=6 wrong, (1,)=7 right, (1,0)=8 right, (1,0,0)=2 right
               torch.tensor([3, 4, 9])]             # row 2: whole chain, bonus 9
-    got = greedy_accept_rows(trees, tokens, argmax)
+    drafts = Drafts([Draft(tree=t, tokens=x) for t, x in zip(trees, tokens)])
+    assert drafts.offsets == (0, 4, 10, 13)
+    got = greedy_accept_rows(drafts.tokens, drafts.parents, torch.cat(argmax), drafts.offsets)
     assert [a.path for a in got] == [(0,), (0, 2, 4, 5), (0, 1, 2)]
     assert [a.bonus for a in got] == [1, 6, 9]
+    assert [a.depth for a in got] == [3, 3, 2]
     assert got == [greedy_accept(t, x, y) for t, x, y in zip(trees, tokens, argmax)]
+
+
+def test_a_step_batch_pads_its_rows_as_row_by_row():
+    """``Drafts.padded``: every row's tokens, depths and ancestor sets where a per-row layout puts them (draft i
+    at row rows[i] of a larger batch, ragged sizes; rows of one size; one tree shared by every row), each
+    padding node token 0 at depth 0 seeing only itself."""
+    trees = [build_tree(chain(3)), build_tree(((0,), (1,), (0, 0), (1, 0), (1, 0, 0))), build_tree(()),
+             build_tree(chain_with_siblings(2, 2))]
+    g = torch.Generator().manual_seed(0)
+    drafts = [Draft(tree=t, tokens=torch.randint(1, 90, (t.size,), generator=g)) for t in trees]
+
+    def expect(ds, n, rows, B):
+        tokens, depths = torch.zeros(B, n, dtype=torch.long), torch.zeros(B, n, dtype=torch.long)
+        ancestors = torch.eye(n, dtype=torch.bool).repeat(B, 1, 1)
+        for b, d in zip(rows, ds):
+            m = d.tree.size
+            tokens[b, :m], depths[b, :m], ancestors[b, :m, :m] = d.tokens, d.tree.depths, d.tree.ancestors
+        return tokens, depths, ancestors
+
+    cases = [(drafts, 8, None, None), (drafts, 16, [4, 0, 2, 5], 6), (drafts[:1] * 3, 4, None, None),
+             ([drafts[0], Draft(tree=build_tree(((0,), (1,), (0, 0))), tokens=torch.tensor([7, 8, 9, 10]))], 4, None, None)]
+    for ds, n, rows, B in cases:
+        got = Drafts(ds).padded(n, "cpu", rows=rows, batch=B)
+        want = expect(ds, n, list(range(len(ds))) if rows is None else rows, len(ds) if B is None else B)
+        for x, y in zip((got.tokens, got.depths, got.ancestors), want):
+            assert torch.equal(x, y)
+        assert got.sizes == [d.tree.size for d in ds]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_drafters_lay_out_a_step_flat_as_their_rows(step, one_thread):
+    """Medusa and EAGLE draft every row at once and hand the loop its flat tokens and parents with the rows:
+    those are the rows' own, end to end (so a verify pass reads what each row drafted)."""
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    prompts = _prompts(model.config.vocab_size, lengths=(7, 3, 11, 5))
+    medusa = untrained_heads("medusa", model, "t")
+    jitter(medusa.module, 0.5, seed=3)
+    eagle = untrained_heads("eagle", model, "t")
+    jitter(eagle.module, 0.3, seed=5)
+    for drafter in (MedusaDrafter(bb, medusa, build_tree(MEDUSA_DEFAULT)),
+                    EagleDrafter(bb, eagle, depth=3, expand=2, nodes=5, dtype=torch.float32, static_head=True)):
+        seen = []
+        real = drafter.draft
+
+        def spy(states, real=real):
+            got = real(states)
+            seen.append(got)
+            return got
+
+        drafter.draft = spy
+        decode_rows(bb, drafter, prompts, params=GREEDY, max_new_tokens=6, eos_token_ids=set(), generator=None,
+                    step=_step(step, bb))
+        assert seen and isinstance(seen[0], Drafts) and len(seen[0]) == len(prompts)
+        for d in seen:
+            assert torch.equal(d.tokens, torch.cat([r.tokens for r in d]))
+            assert torch.equal(d.parents, torch.cat([r.tree.parents for r in d]))
+            assert d.offsets[-1] == sum(r.tree.size for r in d)
 
 
 # ---------------------------------------------------------------------------------------------- exactness

@@ -11,6 +11,7 @@ nodes, not the root and not the bonus token; the step emits ``num_accepted + 1``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,51 +24,53 @@ class Accepted:
     path: tuple[int, ...]     # accepted node ids, root first (len = num_accepted + 1)
     bonus: int                # the token the target adds after the last accepted node
     tokens: tuple[int, ...]   # what the step commits: the accepted nodes' tokens (root excluded), then the bonus
+    depth: int | None = None  # the verified tree's depth where the rule read it (statistics); None: not read
 
     @property
     def num_accepted(self) -> int:
         return len(self.path) - 1
 
 
-def greedy_accept_rows(trees: list[Tree], tokens: list[torch.Tensor], target_argmax: list[torch.Tensor]) -> list[Accepted]:
+def greedy_accept_rows(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,
+                       offsets: Sequence[int]) -> list[Accepted]:
     """Per row: the longest root path whose every token equals the target's argmax at its parent (the
     first such node in node order where several are deepest).
 
-    Row b: tokens[b], target_argmax[b] (n_b,) long over trees[b]'s nodes. ONE host read for all rows
-    (every row's argmaxes, tokens and parents, concatenated), then a walk over each tree's nodes in
-    order (a parent comes before its children), which also gives each tree's depth (kept on the tree
-    for the loop's statistics, so reading it costs nothing more). Exact: the committed tokens are the
-    ones plain greedy decoding would produce, whatever the draft proposed.
+    A step's trees flat (``types.Drafts``): row b's nodes are offsets[b] .. offsets[b + 1] - 1 of tokens,
+    parents (within the row; a root's -1) and target_argmax (N,) long. ONE host read for all rows, then
+    a walk over each tree's nodes in order (a parent comes before its children), which also gives each
+    tree's depth (``Accepted.depth``, for the loop's statistics, so reading it costs nothing more). Exact:
+    the committed tokens are the ones plain greedy decoding would produce, whatever the draft proposed.
     """
-    dev = target_argmax[0].device
-    flat = torch.cat([torch.cat([a.to(dev), x.to(dev), t.parents.to(dev)])
-                      for t, x, a in zip(trees, tokens, target_argmax, strict=True)]).tolist()
-    out, at = [], 0
-    for t in trees:
-        n = t.size
-        top, toks, parents = flat[at: at + n], flat[at + n: at + 2 * n], flat[at + 2 * n: at + 3 * n]
-        at += 3 * n
+    dev = target_argmax.device
+    N = offsets[-1]
+    flat = torch.cat([target_argmax, tokens.to(dev), parents.to(dev)]).tolist()
+    top, toks, parents_ = flat[:N], flat[N: 2 * N], flat[2 * N:]
+    out = []
+    for at, end in zip(offsets[:-1], offsets[1:]):
+        n = end - at
         depth, alive, best = [0] * n, [True] + [False] * (n - 1), 0
         for i in range(1, n):
-            p = parents[i]
+            p = parents_[at + i]
             depth[i] = depth[p] + 1
-            if alive[p] and toks[i] == top[p]:
+            if alive[p] and toks[at + i] == top[at + p]:
                 alive[i] = True
                 if depth[i] > depth[best]:
                     best = i
-        t.__dict__.setdefault("depth", max(depth))   # Tree.depth, spared a read of its own
         path, node = [], best
         while node >= 0:
             path.append(node)
-            node = parents[node]
+            node = parents_[at + node]
         path.reverse()
-        out.append(Accepted(path=tuple(path), bonus=top[best], tokens=(*(toks[i] for i in path[1:]), top[best])))
+        bonus = top[at + best]
+        out.append(Accepted(path=tuple(path), bonus=bonus, tokens=(*(toks[at + i] for i in path[1:]), bonus),
+                            depth=max(depth)))
     return out
 
 
 def greedy_accept(tree: Tree, tokens: torch.Tensor, target_argmax: torch.Tensor) -> Accepted:
     """``greedy_accept_rows`` for one tree: tokens, target_argmax (n,) long."""
-    return greedy_accept_rows([tree], [tokens], [target_argmax])[0]
+    return greedy_accept_rows(tokens, tree.parents, target_argmax, (0, tree.size))[0]
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .cache import KVCache
 from .clock import now
 from .sampling import SamplingParams, probs_from_logits, sample, target_logits
 from .tree import tree_mask
-from .types import DecodeState, Draft, Drafter, Pace, StepBatch, TargetOut, VerifyStep, WidthFit, plain_draft
+from .types import DecodeState, Draft, Drafter, Drafts, Pace, TargetOut, Verified, VerifyStep, WidthFit, plain_draft
 
 if TYPE_CHECKING:
     from .stopping import StopStrings  # a rule over token ids; the loop never sees the tokenizer
@@ -141,18 +141,20 @@ def prefill(backbone: Backbone, cache: KVCache, prompt: torch.Tensor, *, capture
     return prefill_rows(backbone, cache, [prompt], capture=capture)[0]
 
 
-def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
-                capture: tuple[int, ...] = ()) -> list[TargetOut]:
+def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: Sequence[Draft], *,
+                capture: tuple[int, ...] = ()) -> Verified:
     """ONE full-depth target pass over every tree node of every row (trees padded to the largest).
 
     Per row: logits/hidden (n_b, V)/(n_b, H), captured (1, n_b, H)."""
     if len(drafts) == 1:
-        return [_verify_one(backbone, cache, pasts[0], drafts[0], capture=capture)]
+        out = _verify_one(backbone, cache, pasts[0], drafts[0], capture=capture)
+        return Verified([out], out.logits)
+    drafts = Drafts.of(drafts)
     if any(d.resume is not None for d in drafts):
         return _verify_resumed_rows(backbone, cache, pasts, drafts, capture=capture)
     dev = backbone.device
-    n = max(d.tree.size for d in drafts)
-    batch = StepBatch.of(drafts, n, dev)
+    n = max(drafts.sizes)
+    batch = drafts.padded(n, dev)
     lengths = torch.tensor(pasts, device=dev)
     mask = tree_mask(batch.ancestors, lengths, max(pasts) + n, backbone.dtype)
     h, mid = _layers(backbone, backbone.embed_tokens(batch.tokens), start=0, position_ids=batch.depths + lengths[:, None],
@@ -160,8 +162,8 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: li
     return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), batch.sizes)
 
 
-def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
-                         capture: tuple[int, ...]) -> list[TargetOut]:
+def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: Drafts, *,
+                         capture: tuple[int, ...]) -> Verified:
     """``verify_rows`` where drafters already ran layers[0:E] for each row's first m_b nodes (early exit).
 
     Their KV for layers < E sits in the cache at slots past_b .. past_b + m_b - 1, so layers < E run
@@ -188,7 +190,7 @@ def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], d
         saved = [rest[b, : s - m] if h is None else torch.cat([h, rest[b, : s - m]])
                  for b, (h, s, m) in enumerate(zip(saved, sizes, ran))]
     h = torch.stack([torch.cat([x, x.new_zeros(n - x.shape[0], x.shape[1])]) for x in saved])   # (B, n, H)
-    batch, lengths = StepBatch.of(drafts, n, dev), torch.tensor(pasts, device=dev)
+    batch, lengths = drafts.padded(n, dev), torch.tensor(pasts, device=dev)
     mask = tree_mask(batch.ancestors, lengths, max(pasts) + n, backbone.dtype)
     h, mid = _layers(backbone, h, start=E, position_ids=batch.depths + lengths[:, None], mask=mask, cache=cache,
                      capture=capture, top=max(pasts) + n)
@@ -201,17 +203,17 @@ def _padded(rows: list[torch.Tensor], n: int, device) -> torch.Tensor:
 
 
 def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tensor, ...], rows: list[int],
-                sizes: list[int]) -> list[TargetOut]:
+                sizes: list[int]) -> Verified:
     """Per row: its first sizes[i] nodes of a padded pass (normed (B, n, H), row rows[i]). The LM head
     (the widest product) runs on real nodes only: the rows' nodes packed, padding left out."""
     n = normed.shape[1]
     if len(rows) == 1:   # one row: its real nodes are a slice
-        logits = [backbone.logits(normed[rows[0], : sizes[0]])]
+        flat = backbone.logits(normed[rows[0], : sizes[0]])
     else:
-        real = torch.cat([torch.arange(m, device=normed.device) + b * n for b, m in zip(rows, sizes)])
-        logits = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real)).split(sizes)
-    return [TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
-            for b, m, lg in zip(rows, sizes, logits)]
+        real = torch.tensor([b * n + j for b, m in zip(rows, sizes) for j in range(m)], device=normed.device)
+        flat = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real))
+    return Verified([TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
+                     for b, m, lg in zip(rows, sizes, flat.split(sizes))], flat)
 
 
 def _verify_one(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:
@@ -244,17 +246,22 @@ def verify_forward(backbone: Backbone, cache, past_len: int, draft: Draft, *, ca
     return verify_rows(backbone, cache, [past_len], [draft], capture=capture)[0]
 
 
-def accept_rows(drafts: list[Draft], outs: list[TargetOut], params: SamplingParams,
+def accept_rows(drafts: Sequence[Draft], outs: Sequence[TargetOut], params: SamplingParams,
                 generator: torch.Generator | None, rows: Sequence[DecodeState] = (), eos: Collection[int] = ()
                 ) -> list[Accepted]:
-    """Each row's accepted path and bonus token: greedy as one batched tensor rule, sampling row by row.
-    ``rows``: each row's state, whose text a repetition penalty reads and whose ``min_length`` bans ``eos``."""
+    """Each row's accepted path and bonus token: greedy as one batched tensor rule over the step's flat batch
+    (``Drafts``; with a ``Verified``, its flat logits), sampling row by row. ``rows``: each row's state, whose
+    text a repetition penalty reads and whose ``min_length`` bans ``eos``."""
+    drafts = Drafts.of(drafts)
     logits = [o.logits for o in outs]
-    if params.repetition_penalty != 1.0 or any(s.min_length > len(s.ids) for s in rows):   # (transformers' processors)
+    processed = params.repetition_penalty != 1.0 or any(s.min_length > len(s.ids) for s in rows)
+    if processed:   # (transformers' processors)
         logits = [target_logits(z, params, s.ids, tokens=d.tokens, tree=d.tree, eos=eos,
                                 eos_until=s.min_length - len(s.ids)) for z, s, d in zip(logits, rows, drafts, strict=True)]
     if not params.do_sample:
-        return greedy_accept_rows([d.tree for d in drafts], [d.tokens for d in drafts], [z.argmax(-1) for z in logits])
+        top = outs.logits.argmax(-1) if isinstance(outs, Verified) and not processed else \
+            torch.cat([z.argmax(-1) for z in logits])
+        return greedy_accept_rows(drafts.tokens, drafts.parents, top, drafts.offsets)
     return [_sample_accept(d, z, params, generator) for d, z in zip(drafts, logits)]
 
 
@@ -356,21 +363,21 @@ def decode_rows(
         live = _shrink(cache, states, live) if step is None else live
         rows = [states[b] for b in live]
         drafting = pace is None or pace.draft_now()                                  # (or a plain step: no pay)
-        drafts = drafter.draft(rows) if drafting else [plain_draft(s, dev) for s in rows]   # DRAFT
+        drafts = Drafts.of(drafter.draft(rows) if drafting else [plain_draft(s, dev) for s in rows])   # DRAFT
         if cost is not None:                                                        # (the width worth verifying)
-            drafts = cost.fit(drafts, drafter.max_nodes, rows=None if step is None else B)
+            drafts = Drafts.of(cost.fit(drafts, drafter.max_nodes, rows=None if step is None else B))
         outs = verify(live, [s.past_len for s in rows], drafts)                      # VERIFY
         accepted = accept_rows(drafts, outs, params, generator, rows, eos_token_ids)  # ACCEPT
         committed = commit_rows(cache, rows, accepted)                               # COMMIT
         drafter.commit(rows, accepted, outs)                                         # (the drafter's row state)
         if cost is not None:
-            cost.observe(len(live) if step is None else B, max(d.tree.size for d in drafts), accepted)
+            cost.observe(len(live) if step is None else B, max(drafts.sizes), accepted)
         if pace is not None:
             pace.observe(len(live), sum(map(len, committed)), drafting)
         stats.plain_steps += 0 if drafting else len(live)
         stats.target_forwards += 1
         for b, d, a, toks in zip(live, drafts, accepted, committed):
-            stats.record(d.tree.depth, a.num_accepted, d.tree.size - 1)
+            stats.record(d.tree.depth if a.depth is None else a.depth, a.num_accepted, d.tree.size - 1)
             emit(b, toks)
         live = [b for b in live if not ended[b]]
 

@@ -83,7 +83,8 @@ class Tree:
 
     @functools.cached_property
     def depth(self) -> int:
-        return int(self.depths.max())
+        """The deepest node's depth (from ``lists`` where they are known: no read)."""
+        return max(self.lists[1]) if "lists" in self.__dict__ else int(self.depths.max())
 
     @property
     def is_chain(self) -> bool:

@@ -1,13 +1,16 @@
 """The step types every part of the loop speaks, and the contract every drafter keeps.
 
-Per step the loop asks the drafter for a ``Draft`` per live row (a tree of candidate tokens, root = the
-pending token), verifies every row's tree in one target pass (a ``TargetOut`` per row), accepts a path
-per row (``accept.Accepted``) and commits it; the drafter then updates its per-row state (``Drafter.commit``).
+Per step the loop asks the drafter for the live rows' ``Drafts`` (one flat batch of every row's tree of
+candidate tokens, root = the pending token; ``drafts[i]`` is row i's ``Draft``), verifies every row's tree in
+one target pass (``Verified``: a ``TargetOut`` per row), accepts a path per row (``accept.Accepted``) and
+commits it; the drafter then updates its per-row state (``Drafter.commit``).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +20,7 @@ from .accept import Accepted
 from .backbone import Backbone
 from .cache import KVCache, RowView
 from .sampling import SamplingParams
-from .tree import Tree, build_tree
+from .tree import Tree, build_tree, tree_tensors
 
 
 @dataclass
@@ -108,31 +111,89 @@ def read_host(drafts: list[Draft]) -> list[HostDraft]:
     return [d.host for d in drafts]
 
 
+class Drafts(Sequence[Draft]):
+    """One step's drafts for the live rows as one flat batch: every row's nodes one after another, each row's
+    root first, so row i holds nodes ``offsets[i]`` to ``offsets[i + 1] - 1`` of ``tokens`` (N,) and ``parents``
+    (N,) (a node's parent's place within its row; a root's -1). The verify pass, the greedy acceptance and
+    the statistics read a step from these in a fixed number of tensor ops whatever its rows; ``drafts[i]``
+    is row i's own ``Draft`` (its tree, and what a sampling acceptance, a resumed pass, a width cut or a
+    graft reads of one row). The offsets are known on the host: no read."""
+
+    def __init__(self, rows: Sequence[Draft], *, tokens: torch.Tensor | None = None,
+                 parents: torch.Tensor | None = None):
+        """``rows``: each row's draft. A drafter that drafts every row at once passes its rows' tokens and
+        parents flat as well (what ``rows`` hold, one after another), so that nothing is copied to lay them
+        out again."""
+        self.rows = tuple(rows)
+        self.sizes = [d.tree.size for d in self.rows]
+        self.offsets = tuple(itertools.accumulate(self.sizes, initial=0))
+        for name, flat in (("tokens", tokens), ("parents", parents)):
+            if flat is not None:
+                if flat.shape != (self.offsets[-1],):
+                    raise ValueError(f"flat {name} of shape {tuple(flat.shape)} for {self.offsets[-1]} nodes")
+                self.__dict__[name] = flat
+
+    @classmethod
+    def of(cls, drafts: "Sequence[Draft]") -> "Drafts":
+        """``drafts`` as a batch (itself when it is one)."""
+        return drafts if isinstance(drafts, Drafts) else cls(drafts)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def _flat(self, part) -> torch.Tensor:
+        parts = [part(d) for d in self.rows]
+        dev = parts[0].device
+        return parts[0] if len(parts) == 1 else torch.cat([x.to(dev) for x in parts])
+
+    @functools.cached_property
+    def tokens(self) -> torch.Tensor:
+        return self._flat(lambda d: d.tokens)
+
+    @functools.cached_property
+    def parents(self) -> torch.Tensor:
+        return self._flat(lambda d: d.tree.parents)
+
+    def padded(self, n: int, device, *, rows: list[int] | None = None, batch: int | None = None) -> "StepBatch":
+        """The trees as a verify pass reads them, n nodes a row (``StepBatch``): draft i at row ``rows[i]`` of
+        ``batch`` rows (default: row i of as many as there are drafts), in a fixed number of tensor ops
+        whatever the rows. Rows of one size, in order, are a view of the flat batch, with their trees' own
+        depths and ancestor sets (one tree shared by every row, as a fixed tree is: expanded, not copied);
+        otherwise the flat tokens and parents are scattered into place, a padding node a root of its own,
+        and the depths and ancestor sets follow from the parents (``tree.tree_tensors``)."""
+        R = len(self.rows)
+        rows = list(range(R)) if rows is None else rows
+        B = R if batch is None else batch
+        tokens, parents = self.tokens.to(device), self.parents.to(device)
+        if B == R and rows == list(range(R)) and all(m == n for m in self.sizes):
+            trees = [d.tree for d in self.rows]
+            if all(t is trees[0] for t in trees):
+                depths, ancestors = (x.to(device).expand(B, *x.shape) for x in (trees[0].depths, trees[0].ancestors))
+            else:
+                depths = torch.stack([t.depths.to(device) for t in trees])
+                ancestors = torch.stack([t.ancestors.to(device) for t in trees])
+            return StepBatch(tokens=tokens.reshape(B, n), depths=depths, ancestors=ancestors, sizes=self.sizes)
+        # node j of draft i goes to place rows[i] * n + j of the padded (B, n) layout
+        place = torch.tensor([b * n + j for b, m in zip(rows, self.sizes) for j in range(m)], device=device)
+        tokens = tokens.new_zeros(B * n).index_copy_(0, place, tokens).view(B, n)
+        parents = parents.new_full((B * n,), -1).index_copy_(0, place, parents).view(B, n)
+        depths, ancestors = tree_tensors(parents, max_depth=n - 1)
+        return StepBatch(tokens=tokens, depths=depths, ancestors=ancestors, sizes=self.sizes)
+
+
 @dataclass(frozen=True)
 class StepBatch:
-    """One step's trees as a verify pass reads them, padded in this one place: draft i at row ``rows[i]`` of
-    ``batch`` rows, n nodes each. A padding node (and every node of a row no draft fills) is token 0 at
-    depth 0 and sees itself only, so it reads nothing real and nothing reads it."""
+    """One step's trees as a verify pass reads them (``Drafts.padded``): draft i at row ``rows[i]``, n nodes
+    each. A padding node (and every node of a row no draft fills) is token 0 at depth 0 and sees itself
+    only, so it reads nothing real and nothing reads it."""
 
     tokens: torch.Tensor      # (batch, n) long
     depths: torch.Tensor      # (batch, n) long
     ancestors: torch.Tensor   # (batch, n, n) bool
     sizes: list[int]          # each draft's real nodes (drafts' order)
-
-    @classmethod
-    def of(cls, drafts: list["Draft"], n: int, device, *, rows: list[int] | None = None,
-           batch: int | None = None) -> "StepBatch":
-        rows = list(range(len(drafts))) if rows is None else rows
-        B = len(drafts) if batch is None else batch
-        tokens = torch.zeros(B, n, dtype=torch.long, device=device)
-        depths = torch.zeros(B, n, dtype=torch.long, device=device)
-        ancestors = torch.eye(n, dtype=torch.bool, device=device).repeat(B, 1, 1)
-        for b, d in zip(rows, drafts, strict=True):
-            m = d.tree.size
-            tokens[b, :m] = d.tokens
-            depths[b, :m] = d.tree.depths
-            ancestors[b, :m, :m] = d.tree.ancestors
-        return cls(tokens=tokens, depths=depths, ancestors=ancestors, sizes=[d.tree.size for d in drafts])
 
 
 @dataclass
@@ -140,6 +201,20 @@ class TargetOut:
     logits: torch.Tensor   # (n, V) target logits after each node
     hidden: torch.Tensor   # (n, H) final post-norm hidden states
     captured: tuple[torch.Tensor, ...] = ()  # (1, n, H) after each layer in ``Drafter.capture_layers``
+
+
+class Verified(Sequence[TargetOut]):
+    """A verify pass's output for a step's rows: ``outs[i]`` is row i's ``TargetOut`` and ``logits`` (N, V)
+    every row's, flat in the order of the step's ``Drafts`` (row i's are a view of rows offsets[i] ..)."""
+
+    def __init__(self, rows: Sequence[TargetOut], logits: torch.Tensor):
+        self.rows, self.logits = tuple(rows), logits
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
 
 
 class Drafter:
@@ -176,8 +251,10 @@ class Drafter:
         """Called once after prefill with every row of the batch (``states[b].row == b``);
         ``prefills[b].hidden[-1]`` produced row b's pending token. Resets whatever a last decode left."""
 
-    def draft(self, states: list[DecodeState]) -> list[Draft]:
-        """One step's drafts for the live rows ``states`` (in row order), one call for all of them. A
+    def draft(self, states: list[DecodeState]) -> Sequence[Draft]:
+        """One step's drafts for the live rows ``states`` (in row order), one call for all of them: a ``Drafts``
+        (a drafter that drafts every row at once lays their tokens and parents out flat), or a list of one
+        ``Draft`` a row, which the loop makes one. A
         sampling drafter draws its candidates in a fixed order (stage by stage, row order within a
         stage), so that a batch consumes the generator as the loop expects."""
         raise NotImplementedError
@@ -236,5 +313,5 @@ class VerifyStep(Protocol):
 
     def new_cache(self, batch: int, positions: int) -> KVCache: ...
 
-    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *,
-               rows: list[int], capture: tuple[int, ...] = ()) -> list[TargetOut]: ...
+    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: Sequence[Draft], *,
+               rows: list[int], capture: tuple[int, ...] = ()) -> Verified: ...

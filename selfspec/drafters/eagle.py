@@ -59,7 +59,7 @@ from ..core import cache as kv
 from ..core.accept import Accepted
 from ..core.backbone import Backbone
 from ..core.tree import Tree, additive_mask, check_dynamic_tree, subtree, tree_tensors
-from ..core.types import DecodeState, Draft, Drafter, TargetOut, VerifyStep, WidthFit
+from ..core.types import DecodeState, Draft, Drafter, Drafts, TargetOut, VerifyStep, WidthFit
 from ..corpus import Corpus
 from ..heads import Heads, heads_in_dtype
 from .base import check_lookup, check_threshold
@@ -86,6 +86,15 @@ def _level_layout(R: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
 def _each_k_times(x: torch.Tensor, k: int) -> torch.Tensor:
     """(R, m, ...) -> (R, m * k, ...), each of the m entries k times in a row (``repeat_interleave`` on dim 1)."""
     return x[:, :, None].expand(x.shape[0], x.shape[1], k, *x.shape[2:]).reshape(x.shape[0], x.shape[1] * k, *x.shape[2:])
+
+
+def _drafts(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ranks: torch.Tensor,
+            ancestors: torch.Tensor, path_p: torch.Tensor) -> Drafts:
+    """Rows' trees of one size, as ``_kept_tree`` gives them ((R, n) each, ancestors (R, n, n)), as a step's
+    flat batch: row b's draft reads row b of each, and the flat tokens and parents are the rows end to end."""
+    rows = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
+                  tokens=tokens[b], path_p=path_p[b]) for b in range(tokens.shape[0])]
+    return Drafts(rows, tokens=tokens.reshape(-1), parents=parents.reshape(-1))
 
 
 class EagleDrafter(Drafter):
@@ -222,7 +231,7 @@ class EagleDrafter(Drafter):
         return cand, score
 
     @torch.no_grad()
-    def draft(self, states: list[DecodeState]) -> list[Draft]:
+    def draft(self, states: list[DecodeState]) -> Drafts:
         """Every row's tree: each level of all rows in one head call, then the cut (``_cut``), as tensor ops
         on the model's device, greedy or sampling alike. Nothing is read back to the host unless a
         threshold is set or width fitting prices each level (``use_cost``): then one read of the level's
@@ -334,7 +343,7 @@ class EagleDrafter(Drafter):
                            + [torch.full((k * k,), d + 2, dtype=torch.long, device=dev) for d in range(L - 1)])
         return ranks, depths
 
-    def _cut(self, pool: "_Pool") -> list[Draft]:
+    def _cut(self, pool: "_Pool") -> Drafts:
         """Every row's tree out of its pool, all rows at once on the device (every row drafted ``L`` levels):
         the ``nodes`` best-scored nodes of the pool (EAGLE-2). A child never outscores its parent and ties go
         to the lower pool id (the parent's), so the kept set is a tree."""
@@ -343,8 +352,7 @@ class EagleDrafter(Drafter):
         keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
         tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
             pool.tokens, pool.parents, pool.scores, keep, L)
-        return [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
-                      tokens=tokens[b], path_p=path_p[b]) for b in range(tokens.shape[0])]
+        return _drafts(tokens, parents, depths, ranks, ancestors, path_p)
 
     def _kept_tree(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor,
                    L: int) -> tuple[torch.Tensor, ...]:
@@ -496,7 +504,7 @@ class EagleDrafter(Drafter):
         keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1   # as ``_cut``
         return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)
 
-    def _static_grow(self, states: list[DecodeState]) -> list[Draft]:
+    def _static_grow(self, states: list[DecodeState]) -> Drafts:
         """``_grow`` at static shapes: the live rows' whole drafts in one call of ``_tree_pass``
         over every row of the head cache (an idle row drafts at the top slots, which no row reads)."""
         dev, k, B = self.backbone.device, self.expand, self.cache.batch
@@ -520,9 +528,12 @@ class EagleDrafter(Drafter):
         past = self._at_rows(live, [s.past_len for s in states], 0)
         tokens, parents, depths, ranks, ancestors, path_p = self._tree(
             self.cache.keys, self.cache.values, *commit, sizes, root, pending, committed, past)
-        drafts = [Draft(tree=Tree(parents=parents[b], depths=depths[b], ranks=ranks[b], ancestors=ancestors[b]),
-                        tokens=tokens[b], path_p=path_p[b]) for b in live]
-        return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
+        if live != list(range(B)):   # (the idle rows' trees are no one's)
+            at = torch.tensor(live, device=dev)
+            tokens, parents, depths, ranks, ancestors, path_p = (
+                x.index_select(0, at) for x in (tokens, parents, depths, ranks, ancestors, path_p))
+        return with_lookup(_drafts(tokens, parents, depths, ranks, ancestors, path_p), states, self.lookup,
+                           vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def _at_rows(self, live: list[int], values: list[int], idle: int) -> torch.Tensor:
         """(B,) long over every row of the head cache: ``values`` at rows ``live``, ``idle`` at the others."""

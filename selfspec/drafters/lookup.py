@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.tree import Path, Tree, build_tree
-from ..core.types import DecodeState, Draft, Drafter, HostDraft, read_host
+from ..core.types import DecodeState, Draft, Drafter, Drafts, HostDraft, read_host
 from ..corpus import Corpus
 from ..settings import (
     COPY_ACCEPT_BY_MATCH,
@@ -184,19 +184,19 @@ def chain_nodes(parents: Sequence[int], tokens: Sequence[int], chain: Sequence[i
     return out
 
 
-def with_lookup(drafts: list[Draft], states: list[DecodeState], k: int, *, vocab_size: int,
-                corpus: Corpus | None = None) -> list[Draft]:
+def with_lookup(drafts: Sequence[Draft], states: list[DecodeState], k: int, *, vocab_size: int,
+                corpus: Corpus | None = None) -> Drafts:
     """A step's drafts, each with up to k copied tokens grafted on (``copied_chain``: from its row's
     context, or where that has no match of two tokens or more, from a ``corpus``, the target's own
     earlier answers, ``corpus.py``); a draft stays as it is when k is 0 or nothing matched. The drafts
     that take copies are read to the host together, in one transfer (``read_host``). Sampling, onto a
     draft with q rows: every new node gets a one-hot q row appended to ``draft.q`` (point mass on its token)."""
-    if not k:
-        return drafts
-    chains = [copied_chain(s, k, corpus) for s in states]
+    chains = [copied_chain(s, k, corpus) for s in states] if k else []
+    if not any(copied for copied, _ in chains):
+        return Drafts.of(drafts)
     read_host([d for d, (copied, _) in zip(drafts, chains, strict=True) if copied])
-    return [_grafted(d, s, copied, prior, vocab_size) if copied else d
-            for d, s, (copied, prior) in zip(drafts, states, chains)]
+    return Drafts([_grafted(d, s, copied, prior, vocab_size) if copied else d
+                   for d, s, (copied, prior) in zip(drafts, states, chains)])
 
 
 def _grafted(draft: Draft, state: DecodeState, copied: list[int], prior: tuple[float, float], vocab_size: int) -> Draft:
@@ -240,7 +240,8 @@ class LookupDrafter(Drafter):
         self.device = str(device)
         self.tree = build_tree((), self.device)
 
-    def draft(self, states: list[DecodeState]) -> list[Draft]:
+    def draft(self, states: list[DecodeState]) -> Drafts:
         roots = torch.tensor([s.ids[-1] for s in states], device=self.device)
-        return with_lookup([Draft(tree=self.tree, tokens=roots[b: b + 1]) for b in range(len(states))], states,
+        return with_lookup(Drafts([Draft(tree=self.tree, tokens=roots[b: b + 1]) for b in range(len(states))],
+                                  tokens=roots), states,
                            self.lookup, vocab_size=self.vocab_size, corpus=self.corpus)

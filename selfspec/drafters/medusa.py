@@ -18,7 +18,7 @@ import torch
 from ..core.accept import Accepted
 from ..core.backbone import Backbone
 from ..core.tree import Tree
-from ..core.types import DecodeState, Draft, Drafter, TargetOut
+from ..core.types import DecodeState, Draft, Drafter, Drafts, TargetOut
 from ..corpus import Corpus
 from ..heads import Heads
 from .base import (
@@ -58,7 +58,7 @@ class MedusaDrafter(Drafter):
         self.hidden = [out.hidden[-1] for out in prefills]
 
     @torch.no_grad()
-    def draft(self, states: list[DecodeState]) -> list[Draft]:
+    def draft(self, states: list[DecodeState]) -> Drafts:
         """Every row's heads in one call, and every row's candidates, node tokens and path probabilities as
         batched tensor ops; a row's tree is cut on its own only under a threshold or gate (``pruned``)."""
         B, tree = len(states), self.tree
@@ -75,6 +75,8 @@ class MedusaDrafter(Drafter):
             drafts.append(Draft(tree=tree, tokens=tokens[b], path_p=path_p[b]) if cut is tree else
                           Draft(tree=cut, tokens=layout(cut, states[b].ids[-1], table[b]),
                                 path_p=layout_path_p(cut, conf[b])))
+        whole = all(d.tree is tree for d in drafts)   # (every row's tokens laid out flat already)
+        drafts = Drafts(drafts, tokens=tokens.reshape(-1)) if whole else Drafts(drafts)
         return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
 
     def _logits(self, states: list[DecodeState], roots: torch.Tensor) -> torch.Tensor:

@@ -18,13 +18,15 @@ path does, so rollback (``KVCache.keep``) and the drafters are unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..core.backbone import Backbone
 from ..core.cache import KVCache, SlotWriter, StaticStorage, move_slots, path_slots
 from ..core.decode import _layers, prefill_rows, row_outputs
 from ..core.tree import build_tree, tree_mask
-from ..core.types import Draft, StepBatch, TargetOut
+from ..core.types import Draft, Drafts, Verified
 from .static import BUCKETS, StaticFunction, bucket
 
 CAPACITY_ROUND = 256        # static caches are sized in multiples of this
@@ -105,8 +107,8 @@ class StaticStep:
                          cache=SlotWriter(keys, values, rows, slots), capture=capture)
         return bb.final_norm(h), mid
 
-    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: list[Draft], *, rows: list[int],
-               capture: tuple[int, ...] = ()) -> list[TargetOut]:
+    def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: Sequence[Draft], *, rows: list[int],
+               capture: tuple[int, ...] = ()) -> Verified:
         """Verify drafts[i] on cache row rows[i] (its length pasts[i]); the cache's other rows
         (finished sequences, kept so that shapes stay fixed) run a one-node padding tree whose
         write is dropped. Lengths advance as in eager mode (``commit`` then keeps the accepted path)."""
@@ -119,12 +121,16 @@ class StaticStep:
             if d.resume is not None:      # the static pass runs every layer: drop the drafter's layer < E writes
                 cache.truncate(pasts[i], row=b)
             lens[b] = pasts[i]
-        n = bucket(max(d.tree.size for d in drafts))
+        drafts = Drafts.of(drafts)
+        n = bucket(max(drafts.sizes))
         if max(lens) + n > cache.capacity:
             raise ValueError(f"the static KV cache holds {cache.capacity} positions; this step needs "
                              f"{max(lens) + n}: reserve more")
-        batch = StepBatch.of(drafts, n, dev, rows=rows, batch=B)   # (idle rows: padding trees)
-        normed, mid = self._forward(cache.keys, cache.values, batch.tokens, batch.depths, batch.ancestors,
+        batch = drafts.padded(n, dev, rows=rows, batch=B)   # (idle rows: padding trees)
+        # (contiguous: a compiled pass is specialised on its inputs' strides, and one tree shared by every row
+        # comes expanded)
+        normed, mid = self._forward(cache.keys, cache.values, batch.tokens, batch.depths.contiguous(),
+                                    batch.ancestors.contiguous(),
                                     torch.tensor(lens, device=dev), tuple(capture))
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
