@@ -148,7 +148,7 @@ def verify_rows(backbone: Backbone, cache: KVCache, pasts: list[int], drafts: Se
     Per row: logits/hidden (n_b, V)/(n_b, H), captured (1, n_b, H)."""
     if len(drafts) == 1:
         out = _verify_one(backbone, cache, pasts[0], drafts[0], capture=capture)
-        return Verified([out], out.logits)
+        return Verified([out], out.logits, out.captured, [0])
     drafts = Drafts.of(drafts)
     if any(d.resume is not None for d in drafts):
         return _verify_resumed_rows(backbone, cache, pasts, drafts, capture=capture)
@@ -213,7 +213,7 @@ def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tenso
         real = torch.tensor([b * n + j for b, m in zip(rows, sizes) for j in range(m)], device=normed.device)
         flat = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real))
     return Verified([TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
-                     for b, m, lg in zip(rows, sizes, flat.split(sizes))], flat)
+                     for b, m, lg in zip(rows, sizes, flat.split(sizes))], flat, mid, rows)
 
 
 def _verify_one(backbone: Backbone, cache, past_len: int, draft: Draft, *, capture: tuple[int, ...] = ()) -> TargetOut:

@@ -204,11 +204,14 @@ class TargetOut:
 
 
 class Verified(Sequence[TargetOut]):
-    """A verify pass's output for a step's rows: ``outs[i]`` is row i's ``TargetOut`` and ``logits`` (N, V)
-    every row's, flat in the order of the step's ``Drafts`` (row i's are a view of rows offsets[i] ..)."""
+    """A verify pass's output for a step's rows: ``outs[i]`` is row i's ``TargetOut``, ``logits`` (N, V) every
+    row's, flat in the order of the step's ``Drafts`` (row i's are a view of rows offsets[i] ..), and
+    ``captured`` the pass's captured states whole ((P, n, H) each, padded), row i's at row ``at[i]``, so that
+    a drafter gathers every row's in one op."""
 
-    def __init__(self, rows: Sequence[TargetOut], logits: torch.Tensor):
-        self.rows, self.logits = tuple(rows), logits
+    def __init__(self, rows: Sequence[TargetOut], logits: torch.Tensor, captured: tuple[torch.Tensor, ...] = (),
+                 at: Sequence[int] = ()):
+        self.rows, self.logits, self.captured, self.at = tuple(rows), logits, captured, list(at)
 
     def __len__(self) -> int:
         return len(self.rows)

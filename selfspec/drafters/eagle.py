@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,9 +193,10 @@ class EagleDrafter(Drafter):
             self._fill(s.row, out.captured, None, torch.tensor(s.ids[1:P + 1], device=self.backbone.device), 0)
 
     @torch.no_grad()
-    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: list[TargetOut]) -> None:
+    def commit(self, states: list[DecodeState], accepted: list[Accepted], outs: Sequence[TargetOut]) -> None:
         """Every row's accepted slots in one head call: rows padded to the longest path, each row's
-        queries masked to its own committed slots and its new ones (causal), the padding cut off after."""
+        queries masked to its own committed slots and its new ones (causal), the padding cut off after.
+        ``outs``: the ``Verified`` the step's pass returned (its captured states are gathered whole)."""
         if self.static_step is not None:
             return self._commit_static(states, accepted, outs)
         dev = self.backbone.device
@@ -208,12 +210,16 @@ class EagleDrafter(Drafter):
         starts = [self.committed[b] for b in rows]
         sizes = [len(a.path) for a in accepted]
         N = max(sizes)
-        feature = torch.zeros(R, N, sum(c.shape[-1] for c in outs[0].captured), dtype=self.dtype, device=dev)
-        tokens = torch.zeros(R, N, dtype=torch.long, device=dev)
-        for i, (s, a, out) in enumerate(zip(states, accepted, outs)):
-            self.cache.row(s.row).truncate(starts[i])                 # drop this step's speculative slots
-            feature[i, : sizes[i]] = torch.cat([c[0, list(a.path)] for c in out.captured], dim=-1).to(self.dtype)
-            tokens[i, : sizes[i]] = torch.tensor(s.ids[starts[i] + 1: s.past_len + 1], device=dev)
+        for b, start in zip(rows, starts):
+            self.cache.row(b).truncate(start)                         # drop this step's speculative slots
+        # Every row's accepted nodes' features in one gather from the pass's captured states (``Verified``),
+        # each path padded by repeating its last node (padding slots: cut off below); their next tokens.
+        aux = outs.captured[0] if len(outs.captured) == 1 else torch.cat(outs.captured, dim=-1)   # (P, n, A * H)
+        where = torch.tensor([[[at] * N for at in outs.at], [list(a.path) + [a.path[-1]] * (N - len(a.path))
+                                                             for a in accepted],
+                              [s.ids[st + 1: s.past_len + 1] + [0] * (N - m) for s, st, m in zip(states, starts, sizes)]],
+                             device=dev)                                                        # (3, R, N)
+        feature, tokens = aux[where[0], where[1]].to(self.dtype), where[2]
         positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
         visible = torch.arange(max(starts) + N, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
         feature = self.head.fuse(feature)
