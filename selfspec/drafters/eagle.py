@@ -206,7 +206,7 @@ class EagleDrafter(Drafter):
             self.cache.row(s.row).truncate(start)    # drop this step's speculative slots
             nxt = torch.tensor(s.ids[start + 1: s.past_len + 1], device=dev)
             return self._fill(s.row, out.captured, torch.tensor(a.path, device=dev), nxt, start)
-        R, rows = len(states), [s.row for s in states]
+        rows = [s.row for s in states]
         starts = [self.committed[b] for b in rows]
         sizes = [len(a.path) for a in accepted]
         N = max(sizes)
@@ -214,12 +214,11 @@ class EagleDrafter(Drafter):
             self.cache.row(b).truncate(start)                         # drop this step's speculative slots
         # Every row's accepted nodes' features in one gather from the pass's captured states (``Verified``),
         # each path padded by repeating its last node (padding slots: cut off below); their next tokens.
-        aux = outs.captured[0] if len(outs.captured) == 1 else torch.cat(outs.captured, dim=-1)   # (P, n, A * H)
-        where = torch.tensor([[[at] * N for at in outs.at], [list(a.path) + [a.path[-1]] * (N - len(a.path))
-                                                             for a in accepted],
-                              [s.ids[st + 1: s.past_len + 1] + [0] * (N - m) for s, st, m in zip(states, starts, sizes)]],
-                             device=dev)                                                        # (3, R, N)
-        feature, tokens = aux[where[0], where[1]].to(self.dtype), where[2]
+        at = [[b] * N for b in outs.at]                                                  # each row's pass row
+        nodes = [list(a.path) + [a.path[-1]] * (N - len(a.path)) for a in accepted]       # its accepted nodes
+        nxt = [s.ids[st + 1: s.past_len + 1] + [0] * (N - m) for s, st, m in zip(states, starts, sizes)]
+        at, nodes, tokens = torch.tensor([at, nodes, nxt], device=dev)                    # (R, N) each, one copy
+        feature = torch.cat([c[at, nodes] for c in outs.captured], dim=-1).to(self.dtype)   # (R, N, A * H)
         positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
         visible = torch.arange(max(starts) + N, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
         feature = self.head.fuse(feature)
