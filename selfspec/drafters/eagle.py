@@ -48,13 +48,11 @@ has no match from the ``corpus`` (``lookup.with_lookup``).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 from ..core import cache as kv
 from ..core.accept import Accepted
@@ -130,8 +128,6 @@ class EagleDrafter(Drafter):
         self.corpus = corpus                           # where the lookup finds no context match (corpus.py)
         self.vocab = heads.draft_vocab                 # (V_draft,) draft id -> token id, or None
         self.capture_layers = aux
-        # The head's LM head in the layout measured fastest for each row count (few-row products are slow on CPU BLAS).
-        self.project = functools.partial(F.linear, weight=self.head.lm_head.weight)
         self.cache = kv.new_cache()                    # the head's KV cache, a row per batch row (``begin``)
         self.committed: list[int] = []                 # per row: head cache slots that hold committed tokens
         self.root_state: list[torch.Tensor | None] = []   # per row: (1, 1, H) output of its last committed slot
@@ -164,7 +160,7 @@ class EagleDrafter(Drafter):
         """Slots for ``tokens`` (R, n) reading ``feature`` (R, n, H), at the positions whose rotary (cos, sin)
         is ``rope`` ((R, n, head_dim) each, ``Backbone.rope``), appended to rows ``rows`` of the head cache
         -> (R, n, H) output states."""
-        emb = self.backbone.embed(tokens.reshape(-1)).view(*tokens.shape, -1)
+        emb = self.backbone.embed_tokens(tokens)
         return self.head(feature, emb.to(self.dtype), position_embeddings=rope,
                          cache=self.cache.rows(rows), attention_mask=mask)
 
@@ -245,36 +241,38 @@ class EagleDrafter(Drafter):
         if self._tree is not None and self.threshold <= 0:
             return self._static_grow(states)
         reads = self.threshold > 0 or (self.cost is not None and self.level_stop)
+        static = self.static_step is not None
         rows = [s.row for s in states]
         newest = max(self.committed[b] for b in rows)                                            # (host)
-        committed = torch.tensor([self.committed[b] for b in rows], device=dev)                  # (R,)
-        past = torch.tensor([s.past_len for s in states], device=dev)
-        prev = torch.cat([self.root_state[b] for b in rows])   # (R, m, H) output states of the last level run
-        H = prev.shape[-1]
+        committed, past, pending = torch.tensor([[self.committed[b] for b in rows], [s.past_len for s in states],
+                                                 [s.ids[-1] for s in states]], device=dev)           # (R,) each
+        root = torch.cat([self.root_state[b] for b in rows])   # (R, 1, H) each row's last committed slot's output
+        H = root.shape[-1]
         # The pool of each row's drafted nodes, node 0 = the root, children appended level by level. Every
         # row has the same shape (k nodes at level 1, k * k at each later one), so node ids agree across rows.
-        cand, score = self._candidates(self._logits(prev[:, 0]))                              # (R, k)
-        rho = score[:, 0].float().exp() if reads else None   # (R,) the last level's mean top probability (width fitting)
-        tokens = [torch.tensor([s.ids[-1] for s in states], device=dev)[:, None], self._to_ids(cand)]
-        parents = [torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.long, device=dev)]
-        scores = [torch.zeros(R, 1, device=dev), score.float()]
-        fidx = torch.zeros(R, k, dtype=torch.long, device=dev)     # newest level: its parent's place in ``prev``
-        parent_place, own = _level_layout(R, k, dev)              # fidx of every level after the first; own places
-        anc = torch.zeros(R, k, 0, dtype=torch.long, device=dev)   # static: the newest level's drafted ancestors' places
-        if self.static_step is None:
+        cand, score = self._candidates(self._logits(root[:, 0]))                              # (R, k)
+        rho = score[:, 0].exp() if reads else None   # (R,) the last level's mean top probability (width fitting)
+        tokens = [pending[:, None], self._to_ids(cand)]
+        scores = [torch.zeros(R, 1, device=dev), score]
+        bests = []   # per level run: its k nodes' places in the level before (R, k), whose children come next
+        prev = root  # (R, m, H) output states of the last level run
+        if static:   # the newest level's drafted ancestors' places, and its nodes' own
+            anc, own = torch.zeros(R, k, 0, dtype=torch.long, device=dev), _level_layout(R, k, dev)[1]
+        else:
             # Level d's nodes all sit at position past + d - 1: every level's rotary at once.
-            cos, sin = self.backbone.rope(prev, past[:, None] + torch.arange(self.depth - 1, device=dev),
+            cos, sin = self.backbone.rope(root, past[:, None] + torch.arange(self.depth - 1, device=dev),
                                           top=max(s.past_len for s in states) + self.depth)
-            # What the newest level's parents see of the head cache, (R, k, T) additive: the root's, the
-            # row's committed slots; a node sees what its parent sees and its own slot (``_seen``).
+            # What each node of the newest level sees of the head cache, (R, m, T) additive: the root sees the
+            # row's committed slots; a node sees what its parent sees and its own slot, level d's node j
+            # committed + (d - 1) k + j.
             span = newest + (self.depth - 1) * k
             seen = torch.zeros(R, 1, span, dtype=self.dtype, device=dev).masked_fill_(
                 torch.arange(span, device=dev) >= committed[:, None, None], torch.finfo(self.dtype).min)
-        start, levels = 1, [1] * R
-        active, a = list(range(R)), torch.arange(R, device=dev)
+            slots = committed[:, None, None, None] + torch.arange((self.depth - 1) * k, device=dev).view(-1, k, 1)
+        levels, active, a = [1] * R, list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
-            best = torch.sort(-scores[-1], dim=1, stable=True).indices[:, :k]                  # (R, k) the level's best k
-            top_scores = scores[-1].gather(1, best)
+            ranked, order = torch.sort(scores[-1], dim=1, descending=True, stable=True)
+            top_scores, best = ranked[:, :k], order[:, :k]                       # (R, k) the level's best k
             if reads:   # one read for all rows (on a GPU, one synchronisation)
                 n = sum(x.shape[1] for x in scores) - 1
                 read = torch.cat(scores[1:] + [top_scores, rho.clamp(min=1e-30).log()[:, None]], 1).float().tolist()
@@ -288,29 +286,28 @@ class EagleDrafter(Drafter):
                     if not self._level_pays(drafted, children, active, d):
                         break
                 a = torch.tensor(active, device=dev)
-            top = start + best                                                                  # (R, k) pool ids
-            # Each runs in slot past + d - 1, reading its parent's output state.
-            place = fidx.gather(1, best)                                                        # (R, k) parents'
-            feature = prev.gather(1, place[..., None].expand(-1, -1, H))                       # (R, k, H)
-            if self.static_step is not None:   # every row at the static shape; the inactive rows' states unused
+            # Each runs in slot past + d - 1, reading its parent's output state (level 1's: the root's).
+            place = best // k if d > 1 else torch.zeros_like(best)                            # (R, k) parents'
+            feature = prev.gather(1, place[..., None].expand(-1, -1, H)) if d > 1 else prev.expand(-1, k, -1)
+            ids = tokens[-1].gather(1, best)
+            if static:   # every row at the static shape; the inactive rows' states unused
                 top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))           # (R, k, d - 1)
                 anc = _each_k_times(torch.cat([top_anc, own], dim=2), k)   # the next level's
-                run = self._static_level(rows, feature, tokens[-1].gather(1, best),
-                                         (past + d - 1)[:, None].expand(-1, k), committed, top_anc, d)[a]
+                run = self._static_level(rows, feature, ids, (past + d - 1)[:, None].expand(-1, k), committed,
+                                         top_anc, d)[a]
             else:
-                seen = self._seen(seen, place, committed, d)
+                seen = seen.gather(1, place[..., None].expand(-1, -1, seen.shape[2])).scatter_(2, slots[:, d - 1], 0.0)
                 if len(active) == R:
-                    rope = (cos[:, d - 1: d].expand(-1, k, -1), sin[:, d - 1: d].expand(-1, k, -1))
-                    run = self._run(feature, tokens[-1].gather(1, best), rope, seen[:, None, :, : newest + d * k], rows)
+                    run = self._run(feature, ids, (cos[:, d - 1: d], sin[:, d - 1: d]),
+                                    seen[:, None, :, : newest + d * k], rows)
                 else:
                     top_slot = max(self.committed[rows[b]] for b in active) + d * k
-                    rope = (cos[a, d - 1: d].expand(-1, k, -1), sin[a, d - 1: d].expand(-1, k, -1))
-                    run = self._run(feature[a], tokens[-1].gather(1, best)[a], rope, seen[a, None, :, :top_slot],
+                    run = self._run(feature[a], ids[a], (cos[a, d - 1: d], sin[a, d - 1: d]), seen[a, None, :, :top_slot],
                                     [rows[b] for b in active])
             prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)
             cand, score = self._candidates(self._logits(run.reshape(-1, H)))                  # (A * k, k)
             A = len(active)
-            level = score.float().view(A, k, k)
+            level = score.view(A, k, k)
             if A < R:
                 level = level.new_full((R, k, k), -math.inf).index_copy_(0, a, level)
                 ids = torch.zeros(R, k * k, dtype=torch.long, device=dev).index_copy_(
@@ -319,17 +316,31 @@ class EagleDrafter(Drafter):
                 ids = self._to_ids(cand).reshape(R, k * k)
             rho = level[:, :, 0].exp().mean(1) if reads else None
             tokens.append(ids)
-            parents.append(_each_k_times(top, k))
             scores.append((top_scores[:, :, None] + level).reshape(R, k * k))
-            fidx = parent_place
-            start += tokens[-2].shape[1]
+            bests.append(best)
             for b in active:
                 levels[b] += 1
-        pool = _Pool(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), scores=torch.cat(scores, 1),
+        pool = _Pool(tokens=torch.cat(tokens, 1), parents=self._pool_parents(bests, R), scores=torch.cat(scores, 1),
                      levels=levels)
         drafts = self._cut(pool) if self.threshold <= 0 and len(set(levels)) == 1 else \
             [self._cut_row(pool, b) for b in range(R)]
         return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
+
+    def _pool_parents(self, bests: list[torch.Tensor], R: int) -> torch.Tensor:
+        """(R, P) each pool node's parent's pool id (the root's -1) from the places, in their level, of the k
+        nodes each level after the first ran (``bests``, (R, k) each): a node of level d + 1 is a child of
+        level d's node bests[d - 1][i // k]."""
+        key = ("parents", len(bests), self.backbone.device)
+        if key not in self._layouts:
+            k, dev = self.expand, self.backbone.device
+            first = torch.tensor([[-1] + [0] * k], device=dev)                       # the root, level 1
+            starts = torch.tensor([1] + [1 + k + d * k * k for d in range(len(bests) - 1)], device=dev)[:, None]
+            self._layouts[key] = first, starts                                     # (level d's first pool id)
+        first, starts = self._layouts[key]
+        if not bests:
+            return first.expand(R, -1)
+        groups = (torch.stack(bests, 1) + starts).view(R, -1)
+        return torch.cat([first.expand(R, -1), _each_k_times(groups, self.expand)], 1)
 
     def _pool_layout(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a pool of L levels: each node's rank among its siblings and its depth, (P,) each."""
@@ -629,16 +640,7 @@ class EagleDrafter(Drafter):
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
-        return self.project(self.head.scored(states))
-
-    def _seen(self, parents_seen: torch.Tensor, place: torch.Tensor, committed: torch.Tensor, d: int) -> torch.Tensor:
-        """Level d's (R, k, T) additive mask over the head cache: node j sees what its parent (at ``place``[:, j]
-        of the last level's run, whose masks are ``parents_seen``) saw, and its own slot, committed + (d - 1) k + j:
-        so the row's committed slots and every drafted ancestor's."""
-        k, T = self.expand, parents_seen.shape[-1]
-        seen = parents_seen.gather(1, place[..., None].expand(-1, -1, T))
-        own = committed[:, None] + ((d - 1) * k + torch.arange(k, device=committed.device))
-        return seen.scatter_(2, own[..., None], 0.0)
+        return self.head.logits(states)
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -30,13 +30,14 @@ committed slots up to i - j and to its own j draft ancestors (see training/tasks
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..core.tree import additive_mask
-from .stacked import decoding, stacked
+from .stacked import decoding
 
 FEATURE_NORMS = ("", "concat", "per_layer")
 
@@ -79,6 +80,26 @@ def _norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    """What ``EagleHead._decode`` reads: the head's weights as plain tensors, some of them combined."""
+
+    qkv: torch.Tensor                  # ``EagleAttention.decoding_weight`` of the input norms' weights
+    o: torch.Tensor
+    gate_up: torch.Tensor              # gate's rows, then up's
+    down: torch.Tensor
+    post_norm: torch.Tensor
+    hidden_norm: torch.Tensor | None   # norm_before_residual: the residual is hidden_norm(feature)
+    norm: torch.Tensor                 # the output norm
+    lm_head: torch.Tensor
+    eps: float
+    post_eps: float
+    norm_eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
 class EagleAttention(nn.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -92,16 +113,23 @@ class EagleAttention(nn.Module):
         """(B, n, 2H) -> q (B, nh, n, d), k and v (B, nkv, n, d), rotary applied to q and k."""
         B, n, _ = x.shape
         cos, sin = position_embeddings
-        if decoding():   # one product for q, k and v, and one rotation for q and k, in (B, n, heads, d)
-            nh, nkv = self.num_heads, self.num_kv_heads
-            w = stacked(self, "qkv", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            y = F.linear(x, w).view(B, n, nh + 2 * nkv, self.head_dim)
-            qk = _rotate(y[:, :, : nh + nkv], cos[:, :, None], sin[:, :, None])
-            return qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), y[:, :, nh + nkv:].transpose(1, 2)
         q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def decoding_weight(self, norms: torch.Tensor) -> torch.Tensor:
+        """(2H,) the two input norms' weights -> one (rows, 2H) weight giving, for a weightless-normed input,
+        q, k, the rotary half-turn of q and of k, and v (in that order, each in (heads, d) rows): the norms
+        and ``rotate``'s half-turn folded into one product (the half-turn only moves and negates rows)."""
+        d = self.head_dim
+
+        def turned(w: torch.Tensor) -> torch.Tensor:   # rows of rotate_half(x @ w.T), per head
+            w = w.view(-1, d, w.shape[-1])
+            return torch.cat([-w[:, d // 2:], w[:, : d // 2]], dim=1).reshape(-1, w.shape[-1])
+
+        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+        return torch.cat([q, k, turned(q), turned(k), v]) * norms
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         """(B, nkv, T, d) -> (B, nh, T, d): grouped-query attention shares each kv head."""
@@ -121,9 +149,6 @@ class EagleMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if decoding():   # gate and up in one product
-            gate, up = F.linear(x, stacked(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -186,6 +211,10 @@ class EagleHead(nn.Module):
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """(..., H) output states -> (..., V_draft) draft logits."""
+        if decoding():
+            w = self._decoding()
+            normed = states if self.norm_output else F.rms_norm(states, states.shape[-1:], w.norm, w.norm_eps)
+            return F.linear(normed, w.lm_head)
         return self.lm_head(self.scored(states))
 
     def forward(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings, cache,
@@ -195,18 +224,67 @@ class EagleHead(nn.Module):
         Their KV is appended to ``cache`` (a ``DynamicCache``, layer 0). Mask: (B, 1, n, past + n)
         additive; None means causal within the n slots (and every cached slot visible).
         """
-        layer = self.midlayer
-        q, k, v = layer.self_attn.qkv(layer.attn_input(feature, embedding), position_embeddings)
+        if decoding():
+            return self._decode(feature, embedding, position_embeddings, cache, attention_mask)
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        q, k, v = attn.qkv(layer.attn_input(feature, embedding), position_embeddings)
         k, v = cache.update(k, v, 0)
-        attn = layer.self_attn
-        n, T = q.shape[2], k.shape[2]
-        if attention_mask is None and n > 1 and T > n:
-            # Causal among the new slots, all of the cache visible.
-            visible = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
-            attention_mask = additive_mask(visible, q.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and n > 1,
-                                           scale=self.scale, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        o = F.scaled_dot_product_attention(q, k, v, **self._attention(attention_mask, q.shape[2], k))
         return self.output(layer.finish(feature, attn.out(o)))
+
+    def _attention(self, mask: torch.Tensor | None, n: int, keys: torch.Tensor) -> dict:
+        """sdpa's mask arguments for n slots over ``keys`` (B, nkv, T, d): the caller's mask, or where it gives
+        none, causal among the new slots with all of the cache visible."""
+        T = keys.shape[2]
+        if mask is None and n > 1 and T > n:
+            mask = additive_mask(torch.ones(n, T, dtype=torch.bool, device=keys.device).tril(T - n), keys.dtype)
+        attn = self.midlayer.self_attn
+        return dict(attn_mask=mask, is_causal=mask is None and n > 1, scale=self.scale,
+                    enable_gqa=attn.num_heads != attn.num_kv_heads)
+
+    def _decode(self, feature: torch.Tensor, embedding: torch.Tensor, position_embeddings, cache,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """``forward`` while decoding (eager, no autograd): the same layer in fewer ops, reading plain tensors
+        (``_Decoding``). The two input norms are one weightless norm over the embedding and the feature side
+        by side, their weights folded into one product that also gives the rotary half-turn of q and k
+        (``EagleAttention.decoding_weight``), so the rotation is two products and a sum; gate and up are one
+        product. Equal to ``forward`` up to float rounding."""
+        w = self._decoding()
+        B, n, H = feature.shape
+        nh, m = w.heads, w.heads + w.kv_heads
+        x = F.rms_norm(torch.stack([embedding, feature], dim=2), (H,), None, w.eps)             # (B, n, 2, H)
+        y = F.linear(x.view(B, n, 2 * H), w.qkv).view(B, n, -1, w.head_dim)
+        cos, sin = position_embeddings
+        qk = torch.addcmul(y[:, :, :m] * cos[:, :, None], y[:, :, m: 2 * m], sin[:, :, None]).transpose(1, 2)
+        k, v = cache.update(qk[:, nh:], y[:, :, 2 * m:].transpose(1, 2), 0)
+        o = F.scaled_dot_product_attention(qk[:, :nh], k, v, **self._attention(mask, n, k))
+        residual = feature if w.hidden_norm is None else x[:, :, 1] * w.hidden_norm
+        h = residual + F.linear(o.transpose(1, 2).reshape(B, n, -1), w.o)
+        gate, up = F.linear(F.rms_norm(h, (H,), w.post_norm, w.post_eps), w.gate_up).chunk(2, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, w.down)
+        return F.rms_norm(h, (H,), w.norm, w.norm_eps) if self.norm_output else h
+
+    def _decoding(self) -> "_Decoding":
+        """The head's weights as ``_decode`` reads them, kept on the head and made again whenever a parameter
+        changes (moved, reloaded, or trained in place: its storage or version counter moves)."""
+        params = self.__dict__.get("_decoding_params")
+        if params is None:
+            params = self.__dict__["_decoding_params"] = tuple(self.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        kept = self.__dict__.get("_decoding_weights")
+        if kept is None or kept[0] != key:
+            layer, attn = self.midlayer, self.midlayer.self_attn
+            if layer.input_layernorm.eps != layer.hidden_norm.eps:
+                raise ValueError("the eagle head's input norms must share one eps")
+            norms = torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])
+            kept = self.__dict__["_decoding_weights"] = (key, _Decoding(
+                qkv=attn.decoding_weight(norms), o=attn.o_proj.weight,
+                gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                down=layer.mlp.down_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+                hidden_norm=layer.hidden_norm.weight if layer.norm_before_residual else None,
+                norm=self.norm.weight, lm_head=self.lm_head.weight, eps=layer.input_layernorm.eps, post_eps=layer.post_attention_layernorm.eps,
+                norm_eps=self.norm.eps, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim))
+        return kept[1]
 
     def ttt_step(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings,
                  past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
