@@ -899,25 +899,28 @@ def test_sampling_with_min_new_tokens_is_lossless(ban, one_thread, monkeypatch):
                 chi2_check(c, e, N)
 
 
-def test_tree_mask_matches_the_per_row_batch_mask():
+def test_tree_mask_lets_each_query_see_its_rows_past_and_its_ancestors():
     """The mask a verify pass builds from row lengths and padded ancestor matrices (``tree_mask``, eager
-    and inside the static step) equals the per-row one (``batch_mask``) on the slots the eager cache
-    returns; slots beyond are hidden."""
-    trees = [build_tree(((0,), (1,), (0, 0))), build_tree(chain(1)), build_tree(())]
-    n, capacity, lengths = 4, 24, [5, 9, 2]
-    anc = torch.eye(n, dtype=torch.bool).repeat(3, 1, 1)
-    visible = []
-    for b, t in enumerate(trees):
-        anc[b, :t.size, :t.size] = t.ancestors
-        visible.append(t.ancestors)
+    and inside the static step), slot by slot: row b's query sees slots [0, lengths[b]) and slot
+    lengths[b] + j where its ancestors hold node j, nothing else; queries may be some nodes' rows only
+    (early exit's resumed pass: each row's nodes from the first it had not run)."""
     from selfspec.core.tree import tree_mask
 
-    got = tree_mask(anc, torch.tensor(lengths), capacity, torch.float32)
-    want = decode_mod.batch_mask(visible, lengths, n, torch.float32)
-    S = want.shape[-1]
-    assert got.shape == (3, 1, n, capacity)
-    assert torch.equal(got[..., :S], want)
-    assert bool((got[..., S:] == torch.finfo(torch.float32).min).all())
+    trees = [build_tree(((0,), (1,), (0, 0))), build_tree(chain(1)), build_tree(())]
+    n, capacity, lengths = 4, 24, [5, 9, 2]
+    anc = torch.eye(n, dtype=torch.bool).repeat(3, 1, 1)   # padding nodes see themselves only
+    for b, t in enumerate(trees):
+        anc[b, :t.size, :t.size] = t.ancestors
+    low = torch.finfo(torch.float32).min
+    for queries in (torch.arange(n).repeat(3, 1), torch.tensor([[1, 2], [0, 1], [0, 3]])):
+        got = tree_mask(anc.gather(1, queries[..., None].expand(-1, -1, n)), torch.tensor(lengths), capacity,
+                        torch.float32)
+        assert got.shape == (3, 1, queries.shape[1], capacity)
+        for b, length in enumerate(lengths):
+            for i, node in enumerate(queries[b].tolist()):
+                want = [t < length or (0 <= t - length < n and bool(anc[b, node, t - length])) for t in range(capacity)]
+                assert got[b, 0, i].tolist() == [0.0 if w else low for w in want]
+    assert got[0, 0, 0, 5:10].tolist() == [0.0, 0.0, low, low, low]   # node 1 of the first tree: the root and itself
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["static", "compiled"])

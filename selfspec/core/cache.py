@@ -10,7 +10,7 @@ Layout of a row: its tokens sit at slots [0, length) in order, so rows of differ
 (ragged prompts, different accepted paths) share one buffer with no holes. A batched forward
 writes each row's n new slots right after that row's own tokens and returns slots
 [0, max length + n): what lies beyond a row's own slots is stale and the caller's mask hides it
-(``decode.batch_mask``). A one-row forward through ``row(b)`` sees exactly that row's slots, so
+(``tree.tree_mask``). A one-row forward through ``row(b)`` sees exactly that row's slots, so
 code written for one sequence (a drafter running layers on the target's cache) needs no mask.
 
 After a verification step speculative decoding needs two operations, both per row and on every

@@ -91,29 +91,6 @@ def _layers(backbone: Backbone, h, *, start: int, position_ids, mask, cache, cap
     return h, tuple(got[c] for c in capture)
 
 
-def batch_mask(visible: list[torch.Tensor], starts: list[int], n: int, dtype: torch.dtype, *,
-               first: list[int] | None = None) -> torch.Tensor:
-    """Additive mask (B, 1, n, max(starts + first) + n) for a batched forward on a ``KVCache``.
-
-    Row b's tokens sit at slots [0, starts[b]); its tree (or causal run) of m_b nodes occupies
-    slots starts[b] + j, j < m_b. visible[b]: (m_b, m_b) bool, which nodes each node may see (a
-    tree's ancestors, or causal). The queries are row b's nodes first[b] .. m_b - 1 (default 0:
-    all of them; first[b] > 0 when the nodes before were already written, as early exit's
-    drafted layers are), padded to n. Every query sees its row's past; padding queries see only
-    themselves, so no row is all masked; stale slots are hidden."""
-    B, dev = len(starts), visible[0].device
-    first = [0] * B if first is None else first
-    S = max(s + f for s, f in zip(starts, first)) + n
-    vis = torch.zeros(B, n, S, dtype=torch.bool, device=dev)
-    diag = torch.arange(n, device=dev)
-    for b, (v, s, f) in enumerate(zip(visible, starts, first)):
-        m = v.shape[0] - f                          # real queries of the row
-        vis[b, :, :s] = True
-        vis[b, diag[m:], s + f + diag[m:]] = True
-        vis[b, :m, s:s + v.shape[0]] = v[f:]
-    return torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill(~vis, torch.finfo(dtype).min)[:, None]
-
-
 def prefill_rows(backbone: Backbone, cache: KVCache, prompts: list[torch.Tensor], *,
                  capture: tuple[int, ...] = ()) -> list[TargetOut]:
     """Run prompts (n_b,) through the full target in one batched pass (right-padded to the longest;
@@ -124,8 +101,8 @@ def prefill_rows(backbone: Backbone, cache: KVCache, prompts: list[torch.Tensor]
     if len(prompts) == 1:
         mask = None   # one row, empty cache: sdpa's own causal attention
     else:
-        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-        mask = batch_mask([causal[:n, :n] for n in lens], [0] * len(lens), L, backbone.dtype)
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(len(lens), L, L)   # (padding: discarded)
+        mask = tree_mask(causal, torch.zeros(len(lens), dtype=torch.long, device=dev), L, backbone.dtype)
     h, mid = _layers(backbone, backbone.embed_tokens(ids), start=0, mask=mask, cache=cache, capture=capture,
                      position_ids=torch.arange(L, device=dev)[None].expand(len(lens), -1), top=L)
     cache.set_lengths(lens)
@@ -168,38 +145,37 @@ def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], d
 
     Their KV for layers < E sits in the cache at slots past_b .. past_b + m_b - 1, so layers < E run
     only for each row's other nodes (written right after them: node j at slot past_b + j, as in a
-    fresh pass), then layers[E:] for every node, from the saved states and the new ones."""
+    fresh pass), then layers[E:] for every node, from the saved states and the new ones. Every row at
+    once: the rows' nodes laid out as one padded batch, row b's queries of the first pass its nodes
+    m_b, m_b + 1, .. (a node past its tree a padding node, which sees itself only)."""
     dev = backbone.device
     E = next(d.resume.layer for d in drafts if d.resume is not None)
     if any(d.resume is not None and d.resume.layer != E for d in drafts):
         raise ValueError("rows of one batch must resume at the same layer")
     if any(c < E for c in capture):
         raise ValueError(f"a drafter that resumes at layer {E} cannot capture earlier layers {capture}")
-    sizes = [d.tree.size for d in drafts]
+    sizes = drafts.sizes
     ran = [0 if d.resume is None else d.resume.hidden.shape[1] for d in drafts]      # m_b
     n, R = max(sizes), max(s - m for s, m in zip(sizes, ran))
-    ancestors = [d.tree.ancestors.to(dev) for d in drafts]
-    saved = [None if d.resume is None else d.resume.hidden[0] for d in drafts]     # (m_b, H)
-    if R > 0:   # layers[0:E] for the nodes no drafter ran, (B, R) padded
-        tokens = _padded([d.tokens[m:] for d, m in zip(drafts, ran)], R, dev)
-        positions = _padded([d.tree.depths[m:] for d, m in zip(drafts, ran)], R, dev) + \
-            torch.tensor(pasts, device=dev)[:, None]
-        mask = batch_mask(ancestors, pasts, R, backbone.dtype, first=ran)
-        rest = backbone.run_layers(backbone.embed_tokens(tokens), start=0, end=E, position_ids=positions,
-                                   attention_mask=mask, cache=cache)                  # (B, R, H)
-        saved = [rest[b, : s - m] if h is None else torch.cat([h, rest[b, : s - m]])
-                 for b, (h, s, m) in enumerate(zip(saved, sizes, ran))]
-    h = torch.stack([torch.cat([x, x.new_zeros(n - x.shape[0], x.shape[1])]) for x in saved])   # (B, n, H)
-    batch, lengths = drafts.padded(n, dev), torch.tensor(pasts, device=dev)
-    mask = tree_mask(batch.ancestors, lengths, max(pasts) + n, backbone.dtype)
-    h, mid = _layers(backbone, h, start=E, position_ids=batch.depths + lengths[:, None], mask=mask, cache=cache,
+    width = max(n, max(ran) + R)                  # every query of the first pass is a node of the layout
+    batch, lengths = drafts.padded(width, dev), torch.tensor(pasts, device=dev)
+    h = torch.zeros(len(drafts), width, backbone.hidden_size, dtype=backbone.dtype, device=dev)
+    if R > 0:   # layers[0:E] for the nodes no drafter ran: row b's nodes m_b .. m_b + R - 1
+        nodes = torch.tensor(ran, device=dev)[:, None] + torch.arange(R, device=dev)                    # (B, R)
+        mask = tree_mask(batch.ancestors.gather(1, nodes[..., None].expand(-1, -1, width)), lengths,
+                         max(p + m for p, m in zip(pasts, ran)) + R, backbone.dtype)
+        rest = backbone.run_layers(backbone.embed_tokens(batch.tokens.gather(1, nodes)), start=0, end=E,
+                                   position_ids=batch.depths.gather(1, nodes) + lengths[:, None],
+                                   attention_mask=mask, cache=cache)                                  # (B, R, H)
+        h.scatter_(1, nodes[..., None].expand(-1, -1, h.shape[-1]), rest)
+    saved = [(b, d.resume.hidden[0]) for b, d in enumerate(drafts) if d.resume is not None]          # (m_b, H)
+    place = torch.tensor([b * width + j for b, x in saved for j in range(x.shape[0])], device=dev)
+    h.view(-1, h.shape[-1]).index_copy_(0, place, torch.cat([x for _, x in saved]).to(h.dtype))
+    ancestors = batch.ancestors[:, :n, :n]      # (a node's ancestors come before it: the first n close)
+    h, mid = _layers(backbone, h[:, :n], start=E, position_ids=batch.depths[:, :n] + lengths[:, None],
+                     mask=tree_mask(ancestors, lengths, max(pasts) + n, backbone.dtype), cache=cache,
                      capture=capture, top=max(pasts) + n)
     return row_outputs(backbone, backbone.final_norm(h), mid, list(range(len(drafts))), sizes)
-
-
-def _padded(rows: list[torch.Tensor], n: int, device) -> torch.Tensor:
-    """1-D long rows, zero-padded to n and stacked: (B, n)."""
-    return torch.stack([torch.cat([r, r.new_zeros(n - r.shape[0])]).to(device) for r in rows])
 
 
 def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tensor, ...], rows: list[int],

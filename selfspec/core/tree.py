@@ -108,14 +108,15 @@ class Tree:
 
 
 def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive (B, 1, n, slots) mask of a batch of trees verified in one pass: row b's queries see its
-    cache slots [0, lengths[b]) and, among its n new slots from lengths[b] on, those ``ancestors[b]``
-    (B, n, n) allows; slots past a row's tree are hidden. Tensor ops only, so a static pass builds it too."""
-    n = ancestors.shape[-1]
+    """Additive (B, 1, q, slots) mask of a batch of trees verified in one pass: row b's queries see its
+    cache slots [0, lengths[b]) and, among its n tree slots from lengths[b] on, those ``ancestors[b]``
+    (B, q, n) allows (q = n: a query per node; fewer: some of the nodes' rows); slots past a row's tree are
+    hidden. Tensor ops only, so a static pass builds it too."""
+    q, n = ancestors.shape[1], ancestors.shape[2]
     rel = torch.arange(slots, device=lengths.device)[None] - lengths[:, None]             # (B, slots)
     in_tree = (rel >= 0) & (rel < n)
-    tree = ancestors.gather(2, rel.clamp(0, n - 1)[:, None].expand(-1, n, -1)) & in_tree[:, None]
-    vis = (rel < 0)[:, None] | tree                                                        # (B, n, slots)
+    tree = ancestors.gather(2, rel.clamp(0, n - 1)[:, None].expand(-1, q, -1)) & in_tree[:, None]
+    vis = (rel < 0)[:, None] | tree                                                        # (B, q, slots)
     return torch.where(vis, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
 
 
