@@ -158,7 +158,7 @@ class EagleDrafter(Drafter):
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              mask: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
         """Slots for ``tokens`` (R, n) reading ``feature`` (R, n, H), at the positions whose rotary (cos, sin)
-        is ``rope`` ((R, n, head_dim) each, ``Backbone.rope``), appended to rows ``rows`` of the head cache
+        is ``rope`` ((R, n or 1, head_dim) each, ``Backbone.rope``; 1: every slot's), appended to rows ``rows`` of the head cache
         -> (R, n, H) output states."""
         emb = self.backbone.embed_tokens(tokens)
         return self.head(feature, emb.to(self.dtype), position_embeddings=rope,

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.tree import additive_mask
-from .stacked import decoding
+from .stacked import decoding, stacked
 
 FEATURE_NORMS = ("", "concat", "per_layer")
 
@@ -65,11 +65,7 @@ def init_from_target(head: "EagleHead", backbone, vocab: torch.Tensor | None) ->
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on (B, heads, n, d) with cos/sin (B, n, d) from the target's rotary module."""
-    return _rotate(x, cos[:, None], sin[:, None])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on x (..., d), cos/sin broadcast to it."""
+    cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -265,26 +261,25 @@ class EagleHead(nn.Module):
         return F.rms_norm(h, (H,), w.norm, w.norm_eps) if self.norm_output else h
 
     def _decoding(self) -> "_Decoding":
-        """The head's weights as ``_decode`` reads them, kept on the head and made again whenever a parameter
-        changes (moved, reloaded, or trained in place: its storage or version counter moves)."""
+        """The head's weights as ``_decode`` reads them (``stacked``: made again whenever a parameter changes)."""
         params = self.__dict__.get("_decoding_params")
         if params is None:
             params = self.__dict__["_decoding_params"] = tuple(self.parameters())
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        kept = self.__dict__.get("_decoding_weights")
-        if kept is None or kept[0] != key:
-            layer, attn = self.midlayer, self.midlayer.self_attn
-            if layer.input_layernorm.eps != layer.hidden_norm.eps:
-                raise ValueError("the eagle head's input norms must share one eps")
-            norms = torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])
-            kept = self.__dict__["_decoding_weights"] = (key, _Decoding(
-                qkv=attn.decoding_weight(norms), o=attn.o_proj.weight,
-                gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
-                down=layer.mlp.down_proj.weight, post_norm=layer.post_attention_layernorm.weight,
-                hidden_norm=layer.hidden_norm.weight if layer.norm_before_residual else None,
-                norm=self.norm.weight, lm_head=self.lm_head.weight, eps=layer.input_layernorm.eps, post_eps=layer.post_attention_layernorm.eps,
-                norm_eps=self.norm.eps, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim))
-        return kept[1]
+        return stacked(self, "decoding", params, make=lambda _: self._make_decoding())
+
+    def _make_decoding(self) -> "_Decoding":
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        if layer.input_layernorm.eps != layer.hidden_norm.eps:
+            raise ValueError("the eagle head's input norms must share one eps")
+        norms = torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])
+        return _Decoding(
+            qkv=attn.decoding_weight(norms), o=attn.o_proj.weight,
+            gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+            down=layer.mlp.down_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+            hidden_norm=layer.hidden_norm.weight if layer.norm_before_residual else None,
+            norm=self.norm.weight, lm_head=self.lm_head.weight, eps=layer.input_layernorm.eps,
+            post_eps=layer.post_attention_layernorm.eps, norm_eps=self.norm.eps, heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
 
     def ttt_step(self, feature: torch.Tensor, embedding: torch.Tensor, *, position_embeddings,
                  past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -17,12 +17,12 @@ def decoding() -> bool:
     return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
-def stacked(owner: nn.Module, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(tensors)``, kept on ``owner`` under ``name`` and made again whenever one of them changes
-    (moved, reloaded, or trained in place: its storage or version counter moves)."""
+def stacked(owner: nn.Module, name: str, tensors: "list[torch.Tensor] | tuple[torch.Tensor, ...]", make=torch.cat):
+    """``make(tensors)`` (default ``torch.cat``), kept on ``owner`` under ``name`` and made again whenever one
+    of them changes (moved, reloaded, or trained in place: its storage or version counter moves)."""
     key = tuple((t.data_ptr(), t._version) for t in tensors)
     kept = owner.__dict__.setdefault("_stacked", {})
     hit = kept.get(name)
     if hit is None or hit[0] != key:
-        hit = kept[name] = (key, torch.cat(tensors))
+        hit = kept[name] = (key, make(tensors))
     return hit[1]
