@@ -11,7 +11,7 @@ no width fitting, no level stop), 128 new tokens, and reads every step's draft b
 verification of it (a subclass of the drafter records both; the decode loop is the library's own).
 
 * ``calibration`` (greedy): is a drafted node's probability under the head (the number width fitting
-  and the level stop price a node by, ``budget.py``) its chance of acceptance? For every node whose
+  and the level stop price a node by, ``runtime/width.py``) its chance of acceptance? For every node whose
   parent the step accepted: the head's probability of its edge, its rank among its siblings, and
   whether it is the target's greedy token there. Prints the acceptance rate per rank and probability bin.
 * ``temperature`` (sampled): would the head's distribution, sharpened or flattened by a factor c

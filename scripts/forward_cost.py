@@ -6,7 +6,7 @@ Times (median of warm repeats, interleaved) a cached forward of k new tokens aft
 prefix, through transformers' own forward and through selfspec's pass (the same layers on selfspec's
 KV cache), each relative to transformers' k = 1. Where k = 8 costs little more than k = 1 (a GPU),
 wide trees pay; where it costs twice as much (many CPUs), only likely drafts do. Width fitting measures
-this curve itself at first use (``selfspec/budget.py``); this script shows it.
+this curve itself at first use (``selfspec/runtime/width.py``); this script shows it.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def _run(bb: Backbone, drafter, prompt: torch.Tensor, max_new_tokens: int, *,
          temperature: float = 0.0, seed: int = 0) -> tuple[int, float, int, int, int]:
     """Decode one prompt, greedy or (``temperature`` > 0) sampled with a generator seeded ``seed``:
     (tokens, wall seconds, steps, tokens committed, draft nodes verified). As in
-    ``SelfSpeculativeModel.generate``, each step's tree is cut to the width the pass is worth (``budget.py``)."""
+    ``SelfSpeculativeModel.generate``, each step's tree is cut to the width the pass is worth (``runtime/width.py``)."""
     params = SamplingParams(do_sample=True, temperature=temperature) if temperature > 0 else SamplingParams()
     generator = torch.Generator(device=bb.device).manual_seed(seed) if temperature > 0 else None
     new, st = decode(bb, drafter, prompt.to(bb.device), params=params, max_new_tokens=max_new_tokens,
@@ -353,7 +353,7 @@ def pick(cands: list[Candidate], *, tolerance: float = TUNE_TOLERANCE) -> Candid
     fewest rows per step wins (then the fastest). Among candidates of one speed here, tau is what
     carries to other machines: every pass on a GPU costs about the same at batch 1, and where a
     pass over more rows costs more (batches, slower machines) each step's tree is cut to the width
-    the pass is worth there (``budget.py``), so a wider pick costs little where it does not pay."""
+    the pass is worth there (``runtime/width.py``), so a wider pick costs little where it does not pay."""
     if not cands:
         raise ValueError("no candidates to pick from")
     most = max(c.runs for c in cands)
