@@ -133,6 +133,7 @@ class EagleDrafter(Drafter):
         self.root_state: list[torch.Tensor | None] = []   # per row: (1, 1, H) output of its last committed slot
         self._pending: list = []   # static: the last step's commit, left to the next draft's one call (``_commit_static``)
         self._layouts: dict = {}   # ``_pool_layout`` per pool depth
+        self._weights = None       # the head's ``decoding_weights()`` for this decode (``begin``)
 
     @property
     def max_nodes(self) -> int:
@@ -160,9 +161,8 @@ class EagleDrafter(Drafter):
         """Slots for ``tokens`` (R, n) reading ``feature`` (R, n, H), at the positions whose rotary (cos, sin)
         is ``rope`` ((R, n or 1, head_dim) each, ``Backbone.rope``; 1: every slot's), appended to rows ``rows`` of the head cache
         -> (R, n, H) output states."""
-        emb = self.backbone.embed_tokens(tokens)
-        return self.head(feature, emb.to(self.dtype), position_embeddings=rope,
-                         cache=self.cache.rows(rows), attention_mask=mask)
+        emb = self.backbone.embed_tokens(tokens).to(self.dtype)
+        return self.head.decode(feature, emb, rope, self.cache.rows(rows), mask, self._weights)
 
     def _fill(self, row: int, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
         """Row ``row``'s committed slots start.. from the target's features at ``nodes`` (a (m,) index; None:
@@ -182,6 +182,7 @@ class EagleDrafter(Drafter):
         if self.static_step is not None and self.cache is not None:
             self._head_storage.release(self.cache)   # the last decode's: its kept buffers are free again
         B = len(states)
+        self._weights = self.head.decoding_weights()   # checked once a decode, not at every call
         self.cache = kv.new_cache(B) if self.static_step is None else self._head_storage.cache(B, self._head_capacity())
         self.committed, self.root_state, self._pending = [0] * B, [None] * B, []
         for s, out in zip(states, prefills):
@@ -640,7 +641,7 @@ class EagleDrafter(Drafter):
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """(r, H) output states -> (r, V_draft) draft logits."""
-        return self.head.logits(states)
+        return self.head.logits(states, None if torch.compiler.is_compiling() else self._weights)
 
     @staticmethod
     def _closed(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def _norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Decoding:
-    """What ``EagleHead._decode`` reads: the head's weights as plain tensors, some of them combined."""
+    """What ``EagleHead.decode`` reads: the head's weights as plain tensors, some of them combined."""
 
     qkv: torch.Tensor                  # ``EagleAttention.decoding_weight`` of the input norms' weights
     o: torch.Tensor
@@ -205,10 +205,11 @@ class EagleHead(nn.Module):
         """(..., H) output states -> what the LM head reads (already normed under ``norm_output``)."""
         return states if self.norm_output else _norm(self.norm, states)
 
-    def logits(self, states: torch.Tensor) -> torch.Tensor:
-        """(..., H) output states -> (..., V_draft) draft logits."""
+    def logits(self, states: torch.Tensor, weights: "_Decoding | None" = None) -> torch.Tensor:
+        """(..., H) output states -> (..., V_draft) draft logits. weights: ``decoding_weights()``, where the
+        caller keeps them for a decode (eager, no autograd; else ignored)."""
         if decoding():
-            w = self._decoding()
+            w = weights or self.decoding_weights()
             normed = states if self.norm_output else F.rms_norm(states, states.shape[-1:], w.norm, w.norm_eps)
             return F.linear(normed, w.lm_head)
         return self.lm_head(self.scored(states))
@@ -221,7 +222,7 @@ class EagleHead(nn.Module):
         additive; None means causal within the n slots (and every cached slot visible).
         """
         if decoding():
-            return self._decode(feature, embedding, position_embeddings, cache, attention_mask)
+            return self.decode(feature, embedding, position_embeddings, cache, attention_mask)
         layer, attn = self.midlayer, self.midlayer.self_attn
         q, k, v = attn.qkv(layer.attn_input(feature, embedding), position_embeddings)
         k, v = cache.update(k, v, 0)
@@ -238,14 +239,15 @@ class EagleHead(nn.Module):
         return dict(attn_mask=mask, is_causal=mask is None and n > 1, scale=self.scale,
                     enable_gqa=attn.num_heads != attn.num_kv_heads)
 
-    def _decode(self, feature: torch.Tensor, embedding: torch.Tensor, position_embeddings, cache,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def decode(self, feature: torch.Tensor, embedding: torch.Tensor, position_embeddings, cache,
+               mask: torch.Tensor | None, weights: "_Decoding | None" = None) -> torch.Tensor:
         """``forward`` while decoding (eager, no autograd): the same layer in fewer ops, reading plain tensors
-        (``_Decoding``). The two input norms are one weightless norm over the embedding and the feature side
-        by side, their weights folded into one product that also gives the rotary half-turn of q and k
+        (``weights``: ``decoding_weights()``, which a drafter keeps for a decode; None: made or checked
+        here). The two input norms are one weightless norm over the embedding and the feature side by side,
+        their weights folded into one product that also gives the rotary half-turn of q and k
         (``EagleAttention.decoding_weight``), so the rotation is two products and a sum; gate and up are one
         product. Equal to ``forward`` up to float rounding."""
-        w = self._decoding()
+        w = weights or self.decoding_weights()
         B, n, H = feature.shape
         nh, m = w.heads, w.heads + w.kv_heads
         x = F.rms_norm(torch.stack([embedding, feature], dim=2), (H,), None, w.eps)             # (B, n, 2, H)
@@ -260,8 +262,8 @@ class EagleHead(nn.Module):
         h = h + F.linear(F.silu(gate) * up, w.down)
         return F.rms_norm(h, (H,), w.norm, w.norm_eps) if self.norm_output else h
 
-    def _decoding(self) -> "_Decoding":
-        """The head's weights as ``_decode`` reads them (``stacked``: made again whenever a parameter changes)."""
+    def decoding_weights(self) -> "_Decoding":
+        """The head's weights as ``decode`` reads them (``stacked``: made again whenever a parameter changes)."""
         params = self.__dict__.get("_decoding_params")
         if params is None:
             params = self.__dict__["_decoding_params"] = tuple(self.parameters())
