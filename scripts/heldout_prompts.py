@@ -6,7 +6,7 @@ Reads a JSONL with "id", "source" and "prompt" (the non-commercial broad prompt 
 ASDiv, DialogSum, InstructionWild, Multi30k translation, WizardLM test set) and writes, for each
 source in sorted order, ``--per-source`` prompts drawn with ``random.Random(seed).sample``, as
 ``selfspec bench`` reads them (category = the source's first word). The held-out results in
-docs/results (``cpu-heldout24-*``) used the defaults. Their licenses keep the prompts themselves
+docs/results used the defaults. Their licenses keep the prompts themselves
 out of this repository.
 """
 
@@ -55,8 +55,10 @@ def main(argv: list[str]) -> int:
     rows = [{"id": r.get("id"), "category": src.split("_")[0], "prompt": r["prompt"]}
             for src in sorted(by_source) for r in rng.sample(by_source[src], min(args.per_source, len(by_source[src])))]
     out = Path(args.out)
-    if not out.parent.is_dir():
-        return _fail(f"{out.parent} does not exist: create it first")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _fail(f"cannot create {out.parent}: {e.strerror}")
     tmp = out.with_name(f".{out.name}.tmp")   # written whole, then renamed: never half a file at OUT
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, out)

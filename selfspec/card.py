@@ -34,7 +34,8 @@ def _bench_section(bench: dict, method: str) -> list[str]:
     lines = ["## Measured by `selfspec bench`", "",
             f"`{c.get('command')}`", "",
             f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
-            f"{c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}`:", "",
+            f"{c.get('machine') or c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}` "
+            "(CPU figures move with the kind of CPU):", "",
             f"- tau (mean accepted length, bonus counted): {m['tau']:.2f}",
             f"- acceptance by depth: {acc}",
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "
@@ -299,16 +300,24 @@ def card(ckpt: Path, bench: dict | None, method: str | None, hardware: str, dev_
 
 
 def this_hardware(device=None) -> str:
-    """What a run on ``device`` (default: the GPU when there is one) runs on, as a card states it: the
-    GPU's name, else the CPU's core count. Training records it with each run (``provenance.hardware``)."""
+    """What a run on ``device`` (default: the GPU when there is one) runs on, as a card or a bench report
+    states it: the GPU's name, else the CPU's core count and model name. Training records it with each run
+    (``provenance.hardware``), the bench in its results (``config.machine``)."""
     import os
+    import platform
 
     import torch
 
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{os.cpu_count()}-core CPU (no GPU)"
+    name = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {name + ' ' if name else ''}CPU (no GPU)"
 
 
 def front_matter(ckpt: Path) -> str:

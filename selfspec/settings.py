@@ -20,8 +20,8 @@ DEFAULT_EAGLE_TREE = "dynamic-5-4-8"   # depth 5, expand 4, keep 8 nodes (before
 DEFAULT_CHAIN_TREE = "chain-4"   # early exit and the draft model: a chain of 4
 # The corpus lookup (corpus.py): n-grams of these lengths are looked up in the target's own earlier
 # answers, and a proposed chain goes on while at least CORPUS_MIN_COUNT occurrences and
-# CORPUS_MIN_SHARE of them agree on the next token (chosen on held-out-style prompts by simulating
-# the lookup over the target's greedy answers: docs/results/README.md).
+# CORPUS_MIN_SHARE of them agree on the next token (chosen by replaying the lookup over the target's
+# greedy answers to held-out and dev prompts: tokens accepted a step against the extra nodes' cost).
 CORPUS_MIN_NGRAM, CORPUS_MAX_NGRAM = 2, 4
 CORPUS_MIN_COUNT, CORPUS_MIN_SHARE = 2, 0.5
 CORPUS_HELP = ("lookup / medusa / eagle: where the context has no match, the lookup proposes what followed in the "

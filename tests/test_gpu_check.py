@@ -30,6 +30,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert "1 passed" in (out / "exactness.txt").read_text()
     res = json.loads((out / "fp32" / "results.json").read_text())   # --quick: bfloat16 runs in steps 4-5 only
     assert res["config"]["dtype"] == "float32" and res["config"]["device"] == "cpu"
+    assert res["config"]["machine"].endswith("CPU (no GPU)")           # the report says what it ran on
+    assert res["config"]["machine"] in (out / "fp32" / "results.md").read_text().splitlines()[0]
     checked = {name: m["identical"] for name, m in res["methods"].items() if name.startswith("selfspec")}
     # The shipped EAGLE head with a wide tree benched beside its shipped settings (its copy removed after)
     wide = f"selfspec-eagle@{out / 'eagle-wide'}"

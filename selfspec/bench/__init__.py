@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from ..card import this_hardware
 from ..core.backbone import config_fingerprint
 from ..corpus import is_corpus_dir, load_corpus, read_corpus_config
 from ..heads import read_heads_config
@@ -224,7 +225,7 @@ def run_bench_cli(args) -> int:
     p = loaded.model.get_output_embeddings().weight
     result = {
         "config": {
-            "model": loaded.name, "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
+            "model": loaded.name, "device": str(p.device), "machine": this_hardware(p.device), "dtype": str(p.dtype).replace("torch.", ""),
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
             "sample": args.sample,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "batch_size": args.batch_size,

@@ -27,7 +27,7 @@ def markdown(result: dict) -> str:
     mode = cfg.get("decoding") or decoding_mode(cfg["temperature"])  # results from before the field existed
     B = cfg.get("batch_size", 1)
     lines = [
-        f"model `{cfg['model']}`, {cfg['device']} ({counted(cfg['threads'], 'thread')}), {cfg['dtype']}, "
+        f"model `{cfg['model']}`, {cfg.get('machine') or cfg['device']} ({counted(cfg['threads'], 'thread')}), {cfg['dtype']}, "
         f"{cfg['n_prompts']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens']} new tokens, {mode}"
         + (f", batches of {B} (tokens/s: all rows together; per row: divide by {B})" if B > 1 else "")
         + (", selfspec methods compiled (`--compile`)" if cfg.get("compile") else "")

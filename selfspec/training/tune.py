@@ -75,13 +75,12 @@ from .data import read_meta
 from .losses import to_subset_ids
 from .split import Sequence, recorded_split
 
-# Timing: more prompts rather than repeats of a few, at the bench's length (short runs undervalue the
-# context lookup: docs/training.md, where it describes `tune-tree`, gives the measurement).
+# Timing: more prompts rather than repeats of a few (candidates differ from prompt to prompt far more than
+# from run to run), at the bench's length (the context lookup pays more the longer the answer gets).
 TUNE_PROMPTS, TUNE_REPEATS, TUNE_NEW_TOKENS = 12, 1, DEFAULT_MAX_NEW_TOKENS
 # A second round re-times the fastest candidates (at most FINALISTS of them, within twice the tolerance of
 # the best) with plain decoding on as many other prompts, and the pick is made among them on both rounds:
-# a median over a dozen prompts is coarse (two candidates 3% apart in tokens/s had medians 11% apart:
-# docs/training.md).
+# a median over a dozen prompts is coarse.
 FINALISTS = 6
 # Candidates within this fraction of the best speedup count as tied (``pick``), and of those, the ones
 # within TAU_TOLERANCE of the best tau (the mean tokens a step, measured over every step of every run,
@@ -107,9 +106,9 @@ EAGLE_GRID = (("dynamic-3-2-3", 0.0, 0), ("dynamic-4-2-4", 0.0, 0), ("dynamic-5-
               ("dynamic-4-2-4", 0.2, 8), ("dynamic-5-2-4", 0.3, 8), ("dynamic-5-3-6", 0.25, 8), ("dynamic-6-2-6", 0.4, 8),
               ("dynamic-6-3-8", 0.3, 0), ("dynamic-8-4-16", 0.05, 0),
               # uncut deep trees: with width fitting on, the drafter stops at the level not expected to pay
-              # (budget.level_pays), so depth costs only the levels a step's confidence carries
+              # (runtime/width.py, level_pays), so depth costs only the levels a step's confidence carries
               ("dynamic-8-4-16", 0.0, 0), ("dynamic-8-4-16", 0.0, 12),
-              # wide trees with the lookup: where verifying more nodes costs little (GPUs; CPUs with packed products)
+              # wide trees with the lookup: where verifying more nodes costs little (GPUs)
               ("dynamic-6-4-12", 0.05, 8), ("dynamic-6-4-12", 0.15, 8), ("dynamic-6-3-8", 0.1, 12), ("dynamic-8-4-16", 0.05, 12))
 # ... and on devices where verifying a few dozen nodes costs about what one does (GPUs), wide uncut trees
 # too: up to the nodes that, with the root and the copied tokens, fill the largest static bucket (static.py).
