@@ -34,8 +34,8 @@ def _bench_section(bench: dict, method: str) -> list[str]:
     lines = ["## Measured by `selfspec bench`", "",
             f"`{c.get('command')}`", "",
             f"{c['n_prompts']} prompts of `{c['prompts']}`, {c['max_new_tokens']} new tokens, greedy, "
-            f"{c.get('machine') or c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}` "
-            "(CPU figures move with the kind of CPU):", "",
+            f"{c.get('machine') or c['device']}, {c['threads']} threads, {c['dtype']}, as bench method `{method}`"
+            + (" (CPU figures move with the kind of CPU)" if c["device"] == "cpu" else "") + ":", "",
             f"- tau (mean accepted length, bonus counted): {m['tau']:.2f}",
             f"- acceptance by depth: {acc}",
             f"- speed-up over transformers greedy generate: {m['speedup']:.2f}x "

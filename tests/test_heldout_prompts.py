@@ -30,8 +30,7 @@ def test_draws_each_source_reproducibly_and_refuses_bad_input(tmp_path):
     assert (tmp_path / "other.jsonl").read_text() != out.read_text()
     assert _run(src, tmp_path / "new" / "dir" / "held.jsonl", "--per-source", 3).returncode == 0   # as on a fresh clone
     assert (tmp_path / "new" / "dir" / "held.jsonl").read_text() == out.read_text()
-
-    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-file").write_text("")   # a parent that is a file: refused
 
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no source"}\n')
     for args, message in (((tmp_path / "missing.jsonl", tmp_path / "o1.jsonl"), "cannot read"),
@@ -40,5 +39,5 @@ def test_draws_each_source_reproducibly_and_refuses_bad_input(tmp_path):
                           ((src, tmp_path / "o4.jsonl", "--per-source", 0), "at least 1")):
         r = _run(*args)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not any((tmp_path / f"o{i}.jsonl").exists() for i in range(1, 5)) and not (tmp_path / "a-file").stat().st_size
+    assert not any((tmp_path / f"o{i}.jsonl").exists() for i in range(1, 5))
     assert not list(tmp_path.glob(".*.tmp"))

@@ -225,7 +225,8 @@ def run_bench_cli(args) -> int:
     p = loaded.model.get_output_embeddings().weight
     result = {
         "config": {
-            "model": loaded.name, "device": str(p.device), "machine": this_hardware(p.device), "dtype": str(p.dtype).replace("torch.", ""),
+            "model": loaded.name, "device": str(p.device), "machine": this_hardware(p.device),
+            "dtype": str(p.dtype).replace("torch.", ""),
             "threads": threads, "prompts": str(args.prompts), "n_prompts": len(prompts), "limit": args.limit,
             "sample": args.sample,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "batch_size": args.batch_size,
