@@ -72,6 +72,7 @@ def d(tmp_path_factory) -> Path:
     (root / "notjson.jsonl").write_text('{"prompt": "w3"}\nthis is not json\n')
     (root / "nested.jsonl").write_text('{"prompt": "w3"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")   # too deep to parse
     (root / "bad.yaml").write_text("steps: [1, 2\nlr: : 3\n")                   # malformed YAML
+    (root / "lots.yaml").write_text("steps: lots\n")                             # a value of the wrong type
     (root / "emptyprompt.jsonl").write_text('{"prompt": ""}\n')
     (root / "fake.gguf").write_text("this is a text file, not a model\n")
     (root / "empty.gguf").write_bytes(b"")
@@ -109,6 +110,8 @@ CASES = [
     ("generate-negative-min-new-tokens", "generate --prompt hi --min-new-tokens -1"),
     ("generate-min-new-tokens-above-max", "generate --prompt hi --min-new-tokens 50 --max-new-tokens 10"),
     ("generate-zero-repetition-penalty", "generate --prompt hi --repetition-penalty 0"),
+    ("generate-infinite-temperature", "generate --prompt hi --temperature inf"),
+    ("generate-infinite-repetition-penalty", "generate --prompt hi --repetition-penalty inf"),
     ("generate-heads-for-lookup", "generate --prompt hi --drafter lookup --heads {d}/medusa"),
     ("generate-draft-model-for-medusa", "generate --prompt hi --drafter medusa --draft-model {d}/tiny"),
     ("generate-unknown-drafter", "generate --prompt hi --drafter warp"),
@@ -139,6 +142,8 @@ CASES = [
     ("bench-corpus-not-a-corpus", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-lookup "
                                   "--corpus {d}/nodata --out {o}"),
     ("bench-unknown-device", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar --device tpu --out {o}"),
+    ("bench-methods-naming-none", ["bench", "--model", "{d}/tiny", "--prompts", "{d}/good.jsonl", "--methods", ",",
+                                   "--out", "{o}"]),
     ("bench-unknown-method", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods hf-greedy,warp-speed --out {o}"),
     ("bench-auto-with-heads", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-auto@{d}/medusa --out {o}"),
     ("bench-negative-repetition-penalty", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar "
@@ -164,6 +169,7 @@ CASES = [
     ("bench-vllm-spec-tokens-zero", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods vllm-eagle3 "
                                     "--vllm-spec-tokens 0 --out {o}"),
     # gen-data
+    ("gen-data-max-prompts-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --max-prompts 0"),
     ("gen-data-batch-size-zero", "gen-data --model {d}/tiny --prompts {d}/good.jsonl --out {o} --batch-size 0"),
     ("gen-data-non-json-line", "gen-data --model {d}/tiny --prompts {d}/notjson.jsonl --out {o}"),
     ("gen-data-deeply-nested-json", "gen-data --model {d}/tiny --prompts {d}/nested.jsonl --out {o}"),
@@ -175,6 +181,20 @@ CASES = [
     ("build-corpus-another-models-data", "build-corpus --model {d}/tiny --data {d}/other-data --out {o}"),
     # train-heads / train-draft
     ("train-heads-steps-zero", "train-heads --model {d}/tiny --data {d}/data --out {o} --steps 0"),
+    ("train-heads-infinite-lr", "train-heads --model {d}/tiny --data {d}/data --out {o} --lr inf"),
+    ("train-heads-threads-zero", "train-heads --model {d}/tiny --data {d}/data --out {o} --threads 0"),
+    # Flags of the data generated from --prompts, and of the head, refused before any data is written to --out:
+    ("train-heads-max-prompts-zero", "train-heads --model {d}/tiny --prompts {d}/good.jsonl --out {o} --max-prompts 0"),
+    ("train-heads-max-new-tokens-zero", "train-heads --model {d}/tiny --prompts {d}/good.jsonl --out {o} "
+                                        "--max-new-tokens 0"),
+    ("train-heads-gen-batch-size-zero", "train-heads --model {d}/tiny --prompts {d}/good.jsonl --out {o} "
+                                        "--gen-batch-size 0"),
+    ("train-heads-ttt-steps-zero", "train-heads --model {d}/tiny --prompts {d}/good.jsonl --out {o} --kind eagle "
+                                   "--ttt-steps 0"),
+    ("train-heads-aux-layers-out-of-range", "train-heads --model {d}/tiny --prompts {d}/good.jsonl --out {o} "
+                                            "--kind eagle --aux-layers 1,99"),
+    ("train-heads-recipe-value-of-wrong-type", "train-heads --model {d}/tiny --data {d}/data --out {o} "
+                                               "--config {d}/lots.yaml"),
     ("train-heads-malformed-yaml-config", "train-heads --model {d}/tiny --data {d}/data --out {o} --config {d}/bad.yaml"),
     ("train-heads-missing-config", "train-heads --model {d}/tiny --data {d}/data --out {o} --config {d}/no.yaml"),
     ("train-heads-unknown-mixed-precision", "train-heads --model {d}/tiny --data {d}/data --out {o} --mixed-precision fp8"),
@@ -184,6 +204,8 @@ CASES = [
     ("train-heads-data-not-gen-data", "train-heads --model {d}/tiny --data {d}/nodata --out {o}"),
     ("train-heads-exit-layer-out-of-range", "train-heads --model {d}/tiny --data {d}/data --out {o} --kind early-exit "
                                             "--exit-layer 9"),
+    ("train-draft-max-prompts-zero", "train-draft --model {d}/tiny --prompts {d}/good.jsonl --out {o} --layers 1 "
+                                     "--max-prompts 0"),
     ("train-draft-layers-zero", "train-draft --model {d}/tiny --data {d}/data --out {o} --layers 0"),
     # eval-heads / tune-tree / export / synth-prompts
     ("eval-heads-truncated-heads", "eval-heads --model {d}/tiny --heads {d}/trunc-medusa --prompts {d}/good.jsonl"),
@@ -346,8 +368,11 @@ def test_from_pretrained_bad_input(kwargs, error, match, d):
     ([[3, 4]], dict(max_new_tokens=0)),
     ([[3, 4]], dict(do_sample=True, temperature=0.7, top_p=1.5)),
     ([[3, 4]], dict(do_sample=True, temperature=-1.0)),
+    ([[3, 4]], dict(do_sample=True, temperature=float("inf"))),
+    ([[3, 4]], dict(repetition_penalty=float("inf"))),
     ([[[3, 4], [5, 6]]], {}),
-], ids=["empty-prompt", "zero-new-tokens", "top-p", "negative-temperature", "three-dims"])
+], ids=["empty-prompt", "zero-new-tokens", "top-p", "negative-temperature", "infinite-temperature",
+        "infinite-repetition-penalty", "three-dims"])
 def test_generate_bad_input(ids, kwargs, d, one_thread):
     from selfspec import SelfSpeculativeModel
 

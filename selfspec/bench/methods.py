@@ -49,7 +49,9 @@ def parse_methods(spec: str | None) -> list[str]:
 
     A selfspec method with heads may name other heads after an "@" (``selfspec-medusa@DIR``); one whose
     lookup reads a corpus may name another corpus there (``selfspec-lookup@CORPUS_DIR``)."""
-    names = list(ALL_METHODS) if not spec or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    names = list(ALL_METHODS) if spec is None or spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"--methods {spec!r} names no method: give a comma list such as hf-generate,selfspec-medusa, or all")
     known = (*ALL_METHODS, AUTO_METHOD, *ENGINE_METHOD_NAMES)
     unknown = [n for n in names if split_variant(n)[0] not in known and n not in ALIASES]
     if unknown:

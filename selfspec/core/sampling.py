@@ -12,6 +12,7 @@ penalised logits. A draft needs no penalty for exactness (any q keeps rejection 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -28,11 +29,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # 1.0 = off; greedy too
 
     def __post_init__(self):
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty}); 1.0 is off")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (got {self.repetition_penalty}); 1.0 is off")
         if self.do_sample:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0 when sampling (got {self.temperature}); use do_sample=False for greedy")
+            if not 0 < self.temperature < math.inf:
+                raise ValueError(f"temperature must be a finite number > 0 when sampling (got {self.temperature}); use do_sample=False for greedy")
             if not 0 < self.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
             if self.top_k < 0:

@@ -58,15 +58,26 @@ def flag(name: str) -> str:
 
 
 def at_least(value, low: float, name: str) -> None:
-    """Refuse ``value < low`` (None passes: the flag was not given)."""
-    if value is not None and not value >= low:
-        raise ValueError(f"{flag(name)} must be >= {low:g} (got {value:g})")
+    """Refuse ``value < low``, NaN and infinity (None passes: the flag was not given)."""
+    if value is not None and not low <= value < math.inf:
+        raise ValueError(f"{flag(name)} must be {_finite(value)}>= {low:g} (got {value:g})")
 
 
 def positive(value, name: str) -> None:
-    """Refuse ``value <= 0`` and NaN (None passes)."""
-    if value is not None and not value > 0:
-        raise ValueError(f"{flag(name)} must be > 0 (got {value:g})")
+    """Refuse ``value <= 0``, NaN and infinity (None passes)."""
+    if value is not None and not 0 < value < math.inf:
+        raise ValueError(f"{flag(name)} must be {_finite(value)}> 0 (got {value:g})")
+
+
+def _finite(value) -> str:
+    """How a bound's message starts: "a finite number " where the value given was NaN or infinite."""
+    return "" if math.isfinite(value) else "a finite number "
+
+
+def check_generation_flags(extra: dict) -> None:
+    """train-heads' and train-draft's flags for the data they generate from --prompts (None: not given)."""
+    for name in ("max_prompts", "max_new_tokens", "gen_batch_size"):
+        at_least(extra.get(name), 1, name)
 
 
 def in_unit_interval(value, name: str, *, open_low: bool = False, open_high: bool = False) -> None:
@@ -86,8 +97,8 @@ def check_sampling(*, temperature: float, top_p: float | None = None, top_k: int
     at_least(temperature, 0, "temperature")
     in_unit_interval(top_p, "top_p", open_low=True)
     at_least(top_k, 0, "top_k")
-    if repetition_penalty is not None and not repetition_penalty > 0:
-        raise ValueError(f"--repetition-penalty must be > 0 (got {repetition_penalty}; 1 is off)")
+    if repetition_penalty is not None and not 0 < repetition_penalty < math.inf:
+        raise ValueError(f"--repetition-penalty must be {_finite(repetition_penalty)}> 0 (got {repetition_penalty}; 1 is off)")
 
 
 def check_prompt_text(prompt: str) -> None:

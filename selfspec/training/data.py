@@ -698,7 +698,7 @@ def check_data_args(args: argparse.Namespace) -> None:
     """The flags' numbers, and an --out that is new, empty or earlier gen-data output (which resumes)."""
     for name in ("max_new_tokens", "batch_size", "max_prompt_tokens", "shard_size", "samples", "threads"):
         at_least(getattr(args, name), 1, name)
-    at_least(args.max_prompts, 0, "max_prompts")
+    at_least(args.max_prompts, 1, "max_prompts")
     at_least(args.temperature, 0, "temperature")
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -35,7 +35,7 @@ from ..core.backbone import config_fingerprint
 from ..loading import check_model_name, load_model, model_config
 from ..settings import default_exit_layer
 from .checkpoint import STATE_FILE, check_resumable, open_run
-from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_training_config, flag_type, run_module
+from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_generation_flags, check_training_config, flag_type, run_module
 from .config import DraftConfig
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, report_run, run_hardware
@@ -152,6 +152,7 @@ def check_draft_args(args: argparse.Namespace, config: DraftConfig) -> None:
     at_least(args.layers, 1, "layers")
     at_least(args.threads, 1, "threads")
     check_training_config(config, resume=args.resume)
+    check_generation_flags(vars(args))
     if config.save_dtype not in SAVE_DTYPES:
         raise ValueError(f"--save-dtype {config.save_dtype!r}: use float16 or bfloat16")
     check_model_name(args.model)

@@ -31,7 +31,7 @@ import torch
 from ..heads import KINDS
 from ..settings import default_exit_layer
 from .checkpoint import STATE_FILE, check_resumable, open_run
-from .cli_args import GROUP_BY_LENGTH_HELP, check_training_config, flag_type, run_module
+from .cli_args import GROUP_BY_LENGTH_HELP, at_least, check_generation_flags, check_training_config, flag_type, run_module
 from .config import RunConfig, TrainConfig
 from .features import extract_features, target_view
 from .loop import RunState, TrainResult, fit, make_accelerator, report_run, resolve_mixed_precision, run_hardware
@@ -65,10 +65,7 @@ def train_heads(
     """
     from ..model import untrained_heads
 
-    if config.kind not in KINDS:
-        raise ValueError(f"unknown kind {config.kind!r}: expected one of {', '.join(KINDS)}")
-    if config.lora < 0:
-        raise ValueError("--lora must be >= 0 (0 = heads only, the model's output unchanged)")
+    aux = check_heads_config(config, model.config.num_hidden_layers)
     resolve_mixed_precision(config.mixed_precision, "cpu")   # an unknown mode fails before any loading
     if config.steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
         raise ValueError("steps, batch_size and grad_accum must all be >= 1")
@@ -94,17 +91,6 @@ def train_heads(
     vocab = init.draft_vocab if init is not None else frequent_vocab(
         dataset, config.draft_vocab_size, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
-    if config.head_mlp and config.kind != "medusa":
-        raise ValueError("--head-mlp widens Medusa heads: drop it for --kind early-exit (see --exit-intermediate)")
-    if config.exit_adapter not in ("mlp", "layer"):
-        raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
-    if config.loss_rows not in ("response", "all") or (config.loss_rows == "all" and config.kind != "eagle"):
-        raise ValueError(f"--loss-rows is 'response' (any kind) or 'all' (eagle only), got {config.loss_rows!r}")
-    if config.kind == "eagle" and config.ttt_steps < 1:
-        raise ValueError(f"--ttt-steps must be >= 1 (got {config.ttt_steps}): the draft steps unrolled in training")
-    aux = parse_widths(config.aux_layers, flag="--aux-layers") or None
-    if aux is not None and config.kind != "eagle":
-        raise ValueError("--aux-layers applies to --kind eagle only")
     torch.manual_seed(config.seed)   # the heads' random initial weights: a rerun (or a killed run restarted) starts the same
     heads = untrained_heads(config.kind, model, name, num_heads=config.num_heads, exit_layer=exit_layer,
                             token_input=config.token_input, head_mlp=parse_widths(config.head_mlp),
@@ -195,6 +181,29 @@ def _detach_lora(lora) -> None:
     """Remove the adapters again (unmerged): the caller's model is left as it was given."""
     if lora is not None:
         lora.unload()
+
+
+def check_heads_config(config: TrainConfig, num_layers: int) -> list[int] | None:
+    """What a run of ``config.kind`` heads takes, checked before anything is read or written; returns the
+    aux layers asked for (None: the default)."""
+    if config.kind not in KINDS:
+        raise ValueError(f"unknown kind {config.kind!r}: expected one of {', '.join(KINDS)}")
+    if config.lora < 0:
+        raise ValueError("--lora must be >= 0 (0 = heads only, the model's output unchanged)")
+    if config.head_mlp and config.kind != "medusa":
+        raise ValueError("--head-mlp widens Medusa heads: drop it for --kind early-exit (see --exit-intermediate)")
+    if config.exit_adapter not in ("mlp", "layer"):
+        raise ValueError(f"--exit-adapter must be 'mlp' or 'layer' (got {config.exit_adapter!r})")
+    if config.loss_rows not in ("response", "all") or (config.loss_rows == "all" and config.kind != "eagle"):
+        raise ValueError(f"--loss-rows is 'response' (any kind) or 'all' (eagle only), got {config.loss_rows!r}")
+    if config.kind == "eagle" and config.ttt_steps < 1:
+        raise ValueError(f"--ttt-steps must be >= 1 (got {config.ttt_steps}): the draft steps unrolled in training")
+    aux = parse_widths(config.aux_layers, flag="--aux-layers") or None
+    if aux is not None and config.kind != "eagle":
+        raise ValueError("--aux-layers applies to --kind eagle only")
+    if aux is not None and not all(0 < a < num_layers for a in aux):
+        raise ValueError(f"--aux-layers {config.aux_layers}: the model has {num_layers} layers, so each is 1 to {num_layers - 1}")
+    return aux
 
 
 def parse_widths(text, *, flag: str = "--head-mlp") -> list[int]:
@@ -288,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
     unknown = set(recipe) - names - other
     if unknown:
         raise ValueError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
+    recipe = {key: _recipe_value(args.config, key, value) for key, value in recipe.items()}
     values = {k: v for k, v in recipe.items() if k in names}
     values.update({k: getattr(args, k) for k in names if getattr(args, k, None) is not None})
     if "head_mlp" in values:  # fail before loading anything; a YAML list becomes the flag's text
@@ -297,6 +307,31 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
     return TrainConfig(**values), extra
 
 
+_RECIPE_TYPES = {**{f.name: f.type for f in dataclasses.fields(TrainConfig)}, "model": "str", "data": "str",
+                 "prompts": "str", "max_prompts": "int", "max_new_tokens": "int", "gen_batch_size": "int"}
+
+
+def _recipe_value(path, key: str, value):
+    """A recipe's value, of its flag's type: one line naming the key where it is not (``steps: lots``). A float
+    written ``1e-3`` is taken as the number it is (YAML 1.1 reads it as text)."""
+    typ = str(_RECIPE_TYPES[key]).replace(" | None", "")
+    if value is None and "None" in str(_RECIPE_TYPES[key]):
+        return value
+    if typ == "float" and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool),
+          "str": lambda v: isinstance(v, str) or (key in ("head_mlp", "aux_layers") and isinstance(v, list))}[typ]
+    if not ok(value):
+        want = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text"}[typ]
+        raise ValueError(f"--config {path}: {key} must be {want} (got {value!r})")
+    return value
+
+
 def check_train_heads_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
     """Every train-heads flag and recipe key checked before the model loads: (config, recipe extras)."""
     from ..loading import check_model_name, model_config
@@ -304,14 +339,17 @@ def check_train_heads_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]
 
     config, extra = config_from_args(args)
     check_training_config(config, resume=args.resume)
+    check_generation_flags(extra)
+    at_least(args.threads, 1, "threads")
     if not extra["model"]:
         raise ValueError("--model is required (or `model:` in the --config recipe)")
     check_model_name(extra["model"])
     if not extra["data"] and not extra["prompts"]:
         raise ValueError("give --data DIR (from `selfspec gen-data`) or --prompts FILE")
     check_training_sources(data=extra["data"], prompts=extra["prompts"])
+    n = model_config(extra["model"]).num_hidden_layers
+    check_heads_config(config, n)
     if config.kind == "early-exit" and config.exit_layer is not None:
-        n = model_config(extra["model"]).num_hidden_layers
         if not config.exit_layer < n:
             raise ValueError(f"--exit-layer {config.exit_layer}: {extra['model']} has {n} layers, so it takes 1 to {n - 1}")
     return config, extra
