@@ -231,8 +231,8 @@ def _checked(value, key: str, kind: type):
         noun = "a whole number" if kind is int else "a number"
         raise ValueError(f"{key} must be 'auto' or {noun} (got {value!r})") from None
     low, high = _LIMITS[key]
-    if not low <= number <= high:
-        span = f"between {low:g} and {high:g}" if high != float("inf") else f">= {low:g}"
+    if not low <= number <= high or number == float("inf"):
+        span = f"between {low:g} and {high:g}" if high != float("inf") else f"a finite number >= {low:g}"
         raise ValueError(f"{key} must be 'auto' or {span} (got {number:g})")
     return number
 

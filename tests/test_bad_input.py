@@ -128,6 +128,7 @@ CASES = [
     # generate: decoding settings and heads
     ("generate-threshold-above-one", "generate --model {d}/tiny --prompt w3 --drafter medusa --threshold 1.5"),
     ("generate-negative-gate", "generate --model {d}/tiny --prompt w3 --drafter medusa --gate -1"),
+    ("generate-infinite-gate", "generate --model {d}/tiny --prompt w3 --drafter medusa --gate inf"),
     ("generate-malformed-tree", "generate --model {d}/tiny --prompt w3 --drafter medusa --tree chain-x"),
     ("generate-eagle-heads-for-medusa", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/eagle"),
     ("generate-heads-of-another-model", "generate --model {d}/tiny --prompt w3 --drafter medusa --heads {d}/other-medusa"),
@@ -151,6 +152,7 @@ CASES = [
     ("bench-row-without-prompt", "bench --model {d}/tiny --prompts {d}/noprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-json-line", "bench --model {d}/tiny --prompts {d}/notjson.jsonl --methods selfspec-ar --out {o}"),
     ("bench-deeply-nested-json", "bench --model {d}/tiny --prompts {d}/nested.jsonl --methods selfspec-ar --out {o}"),
+    ("bench-prompts-a-directory", "bench --model {d}/tiny --prompts {d}/nodata --methods selfspec-ar --out {o}"),
     ("bench-empty-prompts-file", "bench --model {d}/tiny --prompts {d}/empty.jsonl --methods selfspec-ar --out {o}"),
     ("bench-empty-prompt", "bench --model {d}/tiny --prompts {d}/emptyprompt.jsonl --methods selfspec-ar --out {o}"),
     ("bench-non-empty-out", "bench --model {d}/tiny --prompts {d}/good.jsonl --methods selfspec-ar --out {d}/full"),

@@ -103,7 +103,8 @@ def load_prompts(path: str | Path, *, limit: int | None = None, sample: int | No
 def _read_prompts(path: str | Path, *, limit: int | None) -> list[Prompt]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"prompts file {path} not found: give a JSONL file with one {{\"prompt\": ...}} per line")
+        what = "is a directory" if path.is_dir() else "not found"
+        raise ValueError(f"prompts file {path} {what}: give a JSONL file with one {{\"prompt\": ...}} per line")
     prompts = []
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
