@@ -19,6 +19,7 @@ to generate the data into ``DIR/data`` first); ``--config recipe.yaml`` supplies
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -307,27 +308,26 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
     return TrainConfig(**values), extra
 
 
-_RECIPE_TYPES = {**{f.name: f.type for f in dataclasses.fields(TrainConfig)}, "model": "str", "data": "str",
+_RECIPE_TYPES = {**{f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}, "model": "str", "data": "str",
                  "prompts": "str", "max_prompts": "int", "max_new_tokens": "int", "gen_batch_size": "int"}
+_TAKES = {"int": (int, "a whole number"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
+          "str": (str, "text")}
 
 
 def _recipe_value(path, key: str, value):
     """A recipe's value, of its flag's type: one line naming the key where it is not (``steps: lots``). A float
     written ``1e-3`` is taken as the number it is (YAML 1.1 reads it as text)."""
-    typ = str(_RECIPE_TYPES[key]).replace(" | None", "")
-    if value is None and "None" in str(_RECIPE_TYPES[key]):
+    typ = _RECIPE_TYPES[key]
+    if value is None and typ.endswith(" | None"):
         return value
+    typ = typ.removesuffix(" | None")
     if typ == "float" and isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
-    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "bool": lambda v: isinstance(v, bool),
-          "str": lambda v: isinstance(v, str) or (key in ("head_mlp", "aux_layers") and isinstance(v, list))}[typ]
-    if not ok(value):
-        want = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text"}[typ]
+    takes, want = _TAKES[typ]
+    if key in ("head_mlp", "aux_layers"):   # a YAML list of numbers, or the flag's comma text
+        takes = (str, list)
+    if isinstance(value, bool) != (typ == "bool") or not isinstance(value, takes):
         raise ValueError(f"--config {path}: {key} must be {want} (got {value!r})")
     return value
 
