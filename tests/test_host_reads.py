@@ -14,49 +14,50 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from selfspec.model import SelfSpeculativeModel, untrained_heads
 
 PROMPT, NEW = 48, 40
-READ_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
 PREFILL_READS = 2   # the prompt's ids and the first token (``decode_rows``, before the steps)
+# Every way to read a tensor to the host, patched at the Python level: decoding runs under inference mode,
+# where a TorchDispatchMode does not see the scalar reads (``_local_scalar_dense``).
+READS = ("tolist", "cpu", "numpy", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero",
+         "masked_select")
 
 
-class _Reads(TorchDispatchMode):
+class _Reads:
     """Counts host reads of tensors while active."""
 
     def __init__(self):
-        super().__init__()
         self.count = 0
         self._saved = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in READ_OPS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
     def __enter__(self):
-        for name in ("tolist", "cpu", "numpy"):
-            orig = self._saved[name] = getattr(torch.Tensor, name)
+        targets = [(torch.Tensor, name) for name in READS] + [(torch, "nonzero"), (torch, "masked_select")]
+        for owner, name in targets:
+            orig = self._saved[owner, name] = getattr(owner, name)
 
-            def counted(t, *a, _orig=orig, **k):
+            def counted(*a, _orig=orig, **k):
                 self.count += 1
-                return _orig(t, *a, **k)
-            setattr(torch.Tensor, name, counted)
-        return super().__enter__()
+                return _orig(*a, **k)
+            setattr(owner, name, counted)
+        return self
 
     def __exit__(self, *exc):
-        for name, orig in self._saved.items():
-            setattr(torch.Tensor, name, orig)
-        return super().__exit__(*exc)
+        for (owner, name), orig in self._saved.items():
+            setattr(owner, name, orig)
+        return False
 
 
-def test_the_counter_sees_every_kind_of_read():
-    t = torch.arange(4)
-    with _Reads() as reads:
-        t.tolist(), int(t[1]), float(t[2]), bool(t[0] > 1), t.sum().item(), t.cpu(), t.nonzero()
-    assert reads.count == 7
+@pytest.mark.parametrize("inference", [False, True])
+def test_the_counter_sees_every_kind_of_read(inference):
+    """Outside and inside inference mode (where decoding runs)."""
+    with torch.inference_mode(inference):
+        t = torch.arange(4)
+        with _Reads() as reads:
+            t.tolist(), int(t[1]), float(t[2]), bool(t[0] > 1), t.sum().item(), t.cpu(), t.nonzero()
+            torch.nonzero(t), t.masked_select(t > 1), range(10)[t[1]]
+    assert reads.count == 10
 
 
 def _reads_per_step(name: str, fit: bool, lookup: int, rows: int = 1) -> tuple[int, int]:

@@ -117,8 +117,8 @@ class Backbone:
         """Run ``layers[start:end]`` on (B, n, H), appending their KV to ``cache``. Mask: (B, 1, n, kv_len) additive.
         rope: the positions' rotary (cos, sin) when the caller has it (``rope``); else the rotary module's."""
         pos_emb = rope if rope is not None else self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers[start:end]:
-            hidden = layer(
+        for i in range(start, end):   # (indexed: a slice of a ModuleList builds a new module)
+            hidden = self.layers[i](
                 hidden,
                 attention_mask=attention_mask,
                 position_ids=position_ids,

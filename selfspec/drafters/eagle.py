@@ -424,7 +424,7 @@ class EagleDrafter(Drafter):
         """The most slots one step can commit: a tree's deepest path (drafted or copied) plus its root."""
         return 1 + max(self.depth, self.lookup)
 
-    @torch.no_grad()
+    @torch.inference_mode()   # as decode_rows runs (a compiled pass guards on the mode)
     def warm_up(self, step: VerifyStep, *, batch: int = 1, sampled: bool = False) -> None:
         """Compile now every static head pass decoding batches of ``batch`` rows with ``step`` (its capacity
         reserved) can run: a step's whole draft (``_tree_pass``) or, under a threshold, a draft

@@ -83,7 +83,7 @@ class StaticStep:
         self.capacity = max(self.capacity, need)
         return self.capacity
 
-    @torch.no_grad()
+    @torch.inference_mode()   # as decode_rows runs (a compiled pass guards on the mode)
     def warm_up(self, *, batch: int = 1, max_nodes: int = BUCKETS[1], capture: tuple[int, ...] = ()) -> None:
         """Compile (run once) every bucket up to ``max_nodes`` at ``batch`` rows and the reserved
         capacity, so that timed runs afterwards never compile."""

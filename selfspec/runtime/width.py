@@ -311,7 +311,7 @@ class VerifyCost:
                 out.append(timed[w0] + (w - w0) / (w1 - w0) * (timed[w1] - timed[w0]))
         return _flattened(out)
 
-    @torch.no_grad()
+    @torch.inference_mode()   # timed as decode_rows runs its passes
     def _time(self, rows: int, width: int) -> dict[int, float]:
         bb, dev = self.backbone, self.backbone.device
         if self.step is not None:
@@ -338,7 +338,7 @@ class VerifyCost:
         return {w: statistics.median(s) for w, s in seconds.items()}
 
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _time_step(self, rows: int, width: int) -> dict[int, float]:
         """Each bucket up to ``width``'s, through the static step (run once untimed first: a bucket not yet
         compiled compiles then). Not kept between processes: a compiled pass's speed is the compiler's."""
