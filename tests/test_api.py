@@ -96,6 +96,9 @@ def test_generate_returns_like_transformers_with_stats_and_streamer():
     streamer = Streamer()
     out = sm.generate(ids, max_new_tokens=20, streamer=streamer)
     assert torch.equal(out, ref)
+    # Decoding runs under inference mode; what comes back is an ordinary tensor the caller may change in place.
+    assert not out.is_inference()
+    out[0, -1] += 0
     assert streamer.ended and streamer.chunks[0] == ids[0].tolist()
     assert sum(streamer.chunks[1:], []) == ref[0, 6:].tolist()
     st = sm.last_stats
