@@ -263,8 +263,8 @@ def commit_rows(cache: KVCache, states: list[DecodeState], accepted: list[Accept
     return [list(a.tokens) for a in accepted]
 
 
-@torch.inference_mode()   # no autograd (a recorded graph would chain every step's activations via the cache), and
-# no version counting: on a step's many small ops that is a tenth of a CPU step's host work
+@torch.inference_mode()   # no autograd (a recorded graph would chain every step's activations via the cache),
+# and no version counting on a step's many small ops
 def decode_rows(
     backbone: Backbone,
     drafter: Drafter,

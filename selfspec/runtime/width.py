@@ -338,7 +338,6 @@ class VerifyCost:
         return {w: statistics.median(s) for w, s in seconds.items()}
 
 
-    @torch.inference_mode()
     def _time_step(self, rows: int, width: int) -> dict[int, float]:
         """Each bucket up to ``width``'s, through the static step (run once untimed first: a bucket not yet
         compiled compiles then). Not kept between processes: a compiled pass's speed is the compiler's."""
