@@ -5,7 +5,8 @@ of a tensor, ``.cpu()``, ``.numpy()``, ``nonzero``) stalls the host until the de
 step needs one: the accepted lengths (``accept.greedy_accept_rows``, one read for every row). Width
 fitting decides the pass's shape on the host, so it reads every row's draft once more (``read_host``);
 a lookup graft reads the drafts it grafts onto, every row's at once (and then the fitting reads
-nothing). On the CPU every tensor is on the host, so these tests count the calls themselves: any new
+nothing); the lookup drafter's own drafts are known on the host, so it reads only the accepted
+lengths. On the CPU every tensor is on the host, so these tests count the calls themselves: any new
 read in a step shows up here.
 """
 
@@ -80,6 +81,14 @@ def test_a_step_reads_the_host_once(name, one_thread):
     """Without fitting or a lookup, every step reads the host once: for the accepted lengths."""
     reads, steps = _reads_per_step(name, fit=False, lookup=0)
     assert reads == steps, f"{name}: {reads} host reads in {steps} steps"
+
+
+@pytest.mark.parametrize("fit", [False, True])
+def test_the_lookup_alone_reads_the_host_once_a_step(fit, one_thread):
+    """The lookup drafter's drafts are the rows' pending tokens (known on the host) with copies grafted on:
+    neither the graft nor width fitting reads the device; only acceptance does."""
+    reads, steps = _reads_per_step("lookup", fit=fit, lookup=4)
+    assert reads == steps, f"lookup (fit={fit}): {reads} host reads in {steps} steps"
 
 
 @pytest.mark.parametrize("name", ["lookup", "medusa", "eagle"])

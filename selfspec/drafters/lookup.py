@@ -241,7 +241,14 @@ class LookupDrafter(Drafter):
         self.tree = build_tree((), self.device)
 
     def draft(self, states: list[DecodeState]) -> Drafts:
-        roots = torch.tensor([s.ids[-1] for s in states], device=self.device)
-        return with_lookup(Drafts([Draft(tree=self.tree, tokens=roots[b: b + 1]) for b in range(len(states))],
-                                  tokens=roots), states,
-                           self.lookup, vocab_size=self.vocab_size, corpus=self.corpus)
+        """Each row's root, with its copied chain grafted on. The roots are the rows' pending tokens, which
+        the host knows: the graft reads nothing back from the device."""
+        ids = [s.ids[-1] for s in states]
+        roots = torch.tensor(ids, device=self.device)
+        drafts = []
+        for b, token in enumerate(ids):
+            d = Draft(tree=self.tree, tokens=roots[b: b + 1])
+            d.__dict__["host"] = HostDraft([token], [-1], [0], [0], path_p=None)
+            drafts.append(d)
+        return with_lookup(Drafts(drafts, tokens=roots), states, self.lookup, vocab_size=self.vocab_size,
+                           corpus=self.corpus)
