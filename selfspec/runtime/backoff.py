@@ -17,7 +17,7 @@ loop asks ``Backoff.draft_now`` before each step and reports each step's committ
   pooled over every speculative step it has seen, from a prior of ``SPREAD`` tokens): where even that
   does not beat plain steps by ``MARGIN`` (after 2 or 4 steps: reach ``EARLY`` of them, a clear loss),
   it turns drafting off for ``hold`` steps, then probes again; each failed probe doubles ``hold`` (up
-  to ``MAX_HOLD``), each window that pays halves it back. A hold carries over to the next ``generate`` call.
+  to ``MAX_HOLD``), each window that pays (by ``MARGIN``, without the benefit of the doubt) halves it back. A hold carries over to the next ``generate`` call.
   So a drafter that never pays on this machine (a draft model or early exit where their layers are
   dear) spends a short probe each time it is tried again, and one that pays on average keeps drafting
   through its unlucky steps.
@@ -94,14 +94,18 @@ class Backoff:
             return
         if early is None:
             self.since_judged = 0
-        steps = sum(t for t, _ in self.spec) + self.Z * self.spread() * n ** 0.5   # the benefit of the doubt
-        share = steps / max(sum(s for _, s in self.spec), 1e-9) / max(_rate(self.plain), 1e-9)
+        tokens = sum(t for t, _ in self.spec)
+        per_plain = max(sum(s for _, s in self.spec), 1e-9) * max(_rate(self.plain), 1e-9)   # tokens plain steps make
+        share = (tokens + self.Z * self.spread() * n ** 0.5) / per_plain   # with the benefit of the doubt
         if share < (early if early is not None else 1 + self.MARGIN):
             self.plan.extend([False] * self.hold)                 # off for a while, then probe again
             self.hold = min(2 * self.hold, self.MAX_HOLD)
             self.spec.clear()
             self.since_judged = 0
-        elif early is None:   # paid: the next failed probe's hold is halved back (one lucky window is not proof)
+        elif early is None and tokens / per_plain >= 1 + self.MARGIN:
+            # Paid without the benefit of the doubt: the next failed probe's hold is halved back. A window kept
+            # on by the doubt alone leaves the hold as it is, so a drafter that only ever passes that way (it
+            # loses, but its steps vary) is probed ever more rarely.
             self.hold = max(self.FIRST_HOLD, self.hold // 2)
 
     def _count(self, tokens: float) -> None:
