@@ -61,12 +61,16 @@ def test_the_counter_sees_every_kind_of_read(inference):
     assert reads.count == 10
 
 
-def _reads_per_step(name: str, fit: bool, lookup: int, rows: int = 1) -> tuple[int, int]:
+def _reads_per_step(name: str, fit: bool, lookup: int = 0, rows: int = 1, threshold: float = 0.0) -> tuple[int, int]:
     """(host reads in the decode's steps, its steps: loop iterations, each verifying every live row)."""
     model = tiny_model("llama")
-    kind = {"medusa": "medusa", "eagle": "eagle"}.get(name)
-    heads = untrained_heads(kind, model, "t") if kind else None
-    kw = {} if kind is None else {"lookup": lookup}
+    kind = {"medusa": "medusa", "eagle": "eagle", "early-exit": "early-exit"}.get(name)
+    heads = untrained_heads(kind, model, "t", exit_layer=1 if kind == "early-exit" else None) if kind else None
+    kw = {"lookup": lookup} if kind in ("medusa", "eagle") else {}
+    if name in ("early-exit", "draft-model"):
+        kw = {"threshold": threshold}
+    if name == "draft-model":
+        kw["draft_model"] = tiny_model("llama", seed=1, num_hidden_layers=1)
     sm = SelfSpeculativeModel(model, None, drafter_name=name, heads=heads, name="t", fit_width=fit, **kw)
     # A prompt that repeats itself, so that the lookup finds matches to graft.
     ids = (torch.arange(1, PROMPT + 1)[None] + torch.arange(rows)[:, None]) % 17 + 3
@@ -106,3 +110,16 @@ def test_a_batch_step_reads_as_often_as_a_one_row_step(name, one_thread):
     accepted length in one more, not once a row."""
     reads, steps = _reads_per_step(name, fit=False, lookup=4, rows=4)
     assert reads <= 2 * steps, f"{name}: {reads} host reads in {steps} steps of 4 rows"
+
+
+@pytest.mark.parametrize("name", ["early-exit", "draft-model"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_chain_drafter_reads_once_a_chain_step_and_only_under_a_threshold(name, rows, one_thread):
+    """Early exit and the draft model draft a chain: without a threshold it is always drafted whole, so a step
+    reads the host once (the accepted lengths: the chain's next tokens feed the next draft call on the device);
+    with one, each chain step reads every row's confidences in one more read, to stop where a row's chain is too
+    doubtful (the tree is cut with what it read: nothing more). Chains of 4 (the default tree)."""
+    reads, steps = _reads_per_step(name, fit=False, rows=rows)
+    assert reads == steps, f"{name}: {reads} host reads in {steps} steps of {rows} row(s)"
+    reads, steps = _reads_per_step(name, fit=False, rows=rows, threshold=0.05)
+    assert reads <= (1 + 4) * steps, f"{name}, threshold: {reads} host reads in {steps} steps of {rows} row(s)"

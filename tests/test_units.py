@@ -319,6 +319,7 @@ def test_prune_keeps_confident_prefix_closed_paths():
 
 
 def test_pruned_draft_confidences_follow_the_tree_layout():
+    from selfspec.core.tree import prune
     from selfspec.drafters.base import pruned
 
     tree = build_tree(((0,), (1,), (0, 0)))
@@ -326,6 +327,10 @@ def test_pruned_draft_confidences_follow_the_tree_layout():
     assert pruned(tree, conf, 0.0) is tree
     assert pruned(tree, conf, 0.3).paths == ((0,), (0, 0))   # (1,) .2 < .3; (0,0) .35
     assert pruned(tree, conf, 0.4).paths == ((0,),)
+    # The same confidences as the host's lists (a chain drafter read them already): the same cuts.
+    for threshold in (0.0, 0.3, 0.4, 0.8):
+        assert pruned(tree, conf.tolist(), threshold).paths == pruned(tree, conf, threshold).paths
+    assert prune(tree, [1.0, 0.7, 0.2, 0.5], 0.3) == ((0,), (0, 0))   # node order: root, (0,), (1,), (0, 0)
 
 
 def test_shipped_checkpoints_stay_under_30_mb():

@@ -14,6 +14,7 @@ the acceptance rules need, once per shape.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,11 +196,12 @@ def subtree(parents: torch.Tensor, ranks: torch.Tensor, keep: torch.Tensor, *, m
     return tree_from_parents(sub, ranks[keep], max_depth=max_depth)
 
 
-def path_probs(tree: Tree, conf: torch.Tensor) -> list[float]:
-    """The product of ``conf`` (n,) (the draft's probability of each node given its parent) along
-    each node's path; the root's is 1. Summed over a tree's nodes it is the number of its tokens
-    the draft expects accepted (siblings are exclusive, so at most one path is accepted)."""
-    c, parents = conf.tolist(), tree.parents.tolist()
+def path_probs(tree: Tree, conf: torch.Tensor | Sequence[float]) -> list[float]:
+    """The product of ``conf`` (n,) (the draft's probability of each node given its parent; a tensor, or
+    a list the host holds already) along each node's path; the root's is 1. Summed over a tree's nodes
+    it is the number of its tokens the draft expects accepted (siblings are exclusive, so at most one
+    path is accepted)."""
+    c, parents = conf.tolist() if isinstance(conf, torch.Tensor) else list(conf), tree.lists[0]
     out = [1.0] * tree.size
     for i in range(1, tree.size):  # parents come before children
         out[i] = out[parents[i]] * c[i]
@@ -209,7 +211,7 @@ def path_probs(tree: Tree, conf: torch.Tensor) -> list[float]:
 def prune(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -> tuple[Path, ...]:
     """The paths of ``tree`` a draft is confident enough to propose: a pure function.
 
-    conf: (n,) the draft's probability for each node given its parent (root ignored).
+    conf: (n,) the draft's probability for each node given its parent (root ignored), a tensor or a list.
     threshold: a node is kept when its path probability is >= threshold and its parent is kept,
     so the result is prefix-closed, in the tree's own node order (0 keeps every node).
     gate: then the whole tree is dropped unless the kept nodes' expected accepted tokens (their
@@ -222,7 +224,7 @@ def prune(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -
     """
     if threshold <= 0 and gate <= 0:
         return tree.paths
-    probs, parents = path_probs(tree, conf), tree.parents.tolist()
+    probs, parents = path_probs(tree, conf), tree.lists[0]
     keep = [True] + [False] * (tree.size - 1)
     for i in range(1, tree.size):
         keep[i] = keep[parents[i]] and probs[i] >= threshold

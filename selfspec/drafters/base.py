@@ -108,13 +108,19 @@ def check_lookup(lookup: int) -> int:
     return lookup
 
 
-def pruned(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -> Tree:
+def pruned(tree: Tree, conf: torch.Tensor | list[list[float]], threshold: float, gate: float = 0.0) -> Tree:
     """``tree`` cut where the draft is unsure (``tree.prune``: node threshold, then whole-tree gate).
 
-    conf: (R, width) per-candidate confidences, one row per depth (``Candidates.conf``)."""
+    conf: (depth, width) per-candidate confidences, one row per depth (``Candidates.conf``), or the same
+    as lists the host holds already (then nothing is read)."""
     if threshold <= 0 and gate <= 0:
         return tree
-    return build_tree(prune(tree, layout(tree, 1.0, conf), threshold, gate), str(tree.parents.device))
+    if isinstance(conf, torch.Tensor):
+        nodes = layout(tree, 1.0, conf)
+    else:   # node i at depth d and rank r reads conf[d - 1][r], as ``layout`` lays candidates out
+        _, depths, ranks = tree.lists
+        nodes = [1.0] + [conf[d - 1][r] for d, r in zip(depths[1:], ranks[1:])]
+    return build_tree(prune(tree, nodes, threshold, gate), str(tree.parents.device))
 
 
 def tree_width(tree: Tree) -> int:

@@ -103,15 +103,17 @@ class DraftModelDrafter(Drafter):
         """The rows' draft caches are the rows of one batched cache (one draft forward per step for all rows)."""
         self.cache, self.seen, self.fed = kv.new_cache(len(states)), [0] * len(states), [0] * len(states)
 
-    def _forward(self, rows: list[int], feeds: list[list[int]]) -> torch.Tensor:
+    def _forward(self, rows: list[int], feeds: "list[list[int]] | torch.Tensor") -> torch.Tensor:
         """Feed each row's ids after its seen prefix, all rows in one call -> (R, V) logits for each row's
-        next token (V_draft with a draft vocabulary). Rows padded to the longest feed, each query masked
-        to its own row's slots (causal); the padding slots are cut off after."""
+        next token (V_draft with a draft vocabulary). feeds: per row a list of ids, or (R, 1) ids on the
+        device (a chain step's drawn tokens: not read back). Rows padded to the longest feed, each query
+        masked to its own row's slots (causal); the padding slots are cut off after."""
         bb, dev, R = self.backbone, self.device, len(rows)
-        n = [len(f) for f in feeds]
+        n = [1] * R if isinstance(feeds, torch.Tensor) else [len(f) for f in feeds]
         N = max(n)
         past = torch.tensor([self.seen[b] for b in rows], device=dev)
-        x = torch.tensor([f + [0] * (N - len(f)) for f in feeds], device=dev)
+        x = feeds if isinstance(feeds, torch.Tensor) else \
+            torch.tensor([f + [0] * (N - len(f)) for f in feeds], device=dev)
         pos = past[:, None] + torch.arange(N, device=dev)
         mask = None   # one row: one query sees its whole cache, and n queries on an empty cache are plain causal
         if R > 1 or (N > 1 and self.seen[rows[0]] > 0):
@@ -140,16 +142,22 @@ class DraftModelDrafter(Drafter):
         for j in range(k):
             cand = row_candidates(z, 1, vocab=self.vocab, vocab_size=self.vocab_size, state=states[0], draw=True)
             still = []
+            # Under a threshold, every row's confidence in one read (on a GPU, one synchronisation a chain step):
+            # the chain stops on it, and the tree is cut with it (``_draft_from``), with nothing more to read.
+            confs = cand.conf[:, :1].tolist() if self.threshold > 0 else [[1.0]] * len(active)   # (A, 1)
             for i, b in enumerate(active):
-                drawn[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], cand.conf[i:i + 1]))
-                chain_conf[b] *= float(cand.conf[i, 0])       # the product tree.prune takes
+                drawn[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], confs[i]))
+                chain_conf[b] *= confs[i][0]                  # the product tree.prune takes
                 # Too doubtful to pay for another draft forward, or the chain is full.
                 if chain_conf[b] >= self.threshold and j + 1 < k:
                     still.append(b)
+            at = [i for i, b in enumerate(active) if b in still]   # the continuing rows' places among the active
             active = still
             if not active:
                 break
-            z = self._forward([rows[b] for b in active], [[int(drawn[b][-1][0][0, 0])] for b in active])
+            drafted = cand.tokens[:, :1] if len(at) == cand.tokens.shape[0] else \
+                cand.tokens[torch.tensor(at, device=cand.tokens.device), :1]
+            z = self._forward([rows[b] for b in active], drafted)
             for b in active:
                 self.fed[rows[b]] += 1
         return [self._draft_from(s, c) for s, c in zip(states, drawn)]
@@ -157,9 +165,9 @@ class DraftModelDrafter(Drafter):
     def _draft_from(self, state: DecodeState, drawn: list) -> Draft:
         """One row's chain draft from its candidates per depth drafted."""
         k = self.tree.depth
-        rows, confs = [c[0] for c in drawn], [c[2] for c in drawn]
+        rows = [c[0] for c in drawn]
         pad = k - len(rows)                            # depths never drafted: zero confidence, pruned below
-        tree = pruned(self.tree, torch.cat(confs + [confs[0].new_zeros(pad, 1)]), self.threshold)
+        tree = pruned(self.tree, [c[2] for c in drawn] + [[0.0]] * pad, self.threshold)   # (the host's confidences)
         tokens = layout(tree, state.ids[-1], torch.cat(rows + [rows[0].new_zeros(pad, 1)]))
         q = torch.cat([c[1] for c in drawn]) if state.params.do_sample else None
         return Draft(tree=tree, tokens=tokens, q=q)

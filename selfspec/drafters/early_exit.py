@@ -115,14 +115,14 @@ class EarlyExitDrafter(Drafter):
         past = torch.tensor([s.past_len for s in states], device=bb.device)
         tok = torch.tensor([s.ids[-1] for s in states], device=bb.device)
         hiddens, cands = [[] for _ in range(R)], [[] for _ in range(R)]
-        chain_conf = torch.ones(R, dtype=torch.float64)
+        chain_conf = [1.0] * R   # each row's chain's path probability so far (float64, as the host reads it)
         active = list(range(R))
         for j in range(k):
             a = torch.tensor(active, device=bb.device)
             pos = (past[a] + j)[:, None]                                                      # (A, 1)
             mask = None
             if len(active) > 1:   # rows of different lengths: each query sees its own row's slots and itself
-                T = int(pos.max()) + 1
+                T = max(states[b].past_len for b in active) + j + 1   # (known on the host: no read)
                 mask = additive_mask(torch.arange(T, device=bb.device)[None, None] <= pos[:, :, None], bb.dtype)
             # One token a row through layers[0:E]; their KV for those layers lands in the shared cache.
             h = bb.run_layers(bb.embed_tokens(tok[a][:, None]), start=0, end=E, position_ids=pos, attention_mask=mask,
@@ -132,10 +132,13 @@ class EarlyExitDrafter(Drafter):
             cand = row_candidates(z, self.width, vocab=self.vocab, vocab_size=bb.vocab_size, state=states[0],
                                   draw=True)
             still = []
+            # Under a threshold, every row's confidences in one read (on a GPU, one synchronisation): the chain
+            # stops on them, and the tree is cut with them (``_draft_from``), with nothing more to read.
+            confs = cand.conf.tolist() if self.threshold > 0 else [[1.0]] * len(active)   # (A, width)
             for i, b in enumerate(active):
                 hiddens[b].append(h[i:i + 1])
-                cands[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], cand.conf[i:i + 1]))
-                chain_conf[b] *= float(cand.conf[i, 0])                  # same product tree.prune takes
+                cands[b].append((cand.tokens[i:i + 1], None if cand.q is None else cand.q[i:i + 1], confs[i]))
+                chain_conf[b] *= confs[i][0]                             # same product tree.prune takes
                 if chain_conf[b] >= self.threshold:
                     still.append(b)   # else the next chain node is too doubtful to pay for another half step
             tok = tok.index_copy(0, a, cand.tokens[:, 0])  # chains continue with the best (greedy) or first-drawn candidate
@@ -150,10 +153,10 @@ class EarlyExitDrafter(Drafter):
         """One row's draft from the chain it ran: layer-E states and candidates per depth drafted."""
         k = self.tree.depth
         rows = [c[0] for c in cands]
-        confs = [c[2] for c in cands]
         pad = k - len(rows)  # depths never drafted: zero confidence, pruned below
         tokens_rows = torch.cat(rows + [rows[0].new_zeros(pad, self.width)])
-        tree = pruned(self.tree, torch.cat(confs + [confs[0].new_zeros(pad, self.width)]), self.threshold)
+        # (the host's confidences per depth drafted; without a threshold nothing is cut)
+        tree = pruned(self.tree, [c[2] for c in cands] + [[0.0] * self.width] * pad, self.threshold)
         # The drafted chain nodes lead the tree; the cache holds layers[0:E] for exactly these.
         assert tree.paths[: len(hiddens) - 1] == self.tree.paths[: len(hiddens) - 1] and tree.size >= len(hiddens)
         tokens = layout(tree, state.ids[-1], tokens_rows)

@@ -17,7 +17,8 @@ loop asks ``Backoff.draft_now`` before each step and reports each step's committ
   pooled over every speculative step it has seen, from a prior of ``SPREAD`` tokens): where even that
   does not beat plain steps by ``MARGIN`` (after 2 or 4 steps: reach ``EARLY`` of them, a clear loss),
   it turns drafting off for ``hold`` steps, then probes again; each failed probe doubles ``hold`` (up
-  to ``MAX_HOLD``), each window that pays (by ``MARGIN``, without the benefit of the doubt) halves it back. A hold carries over to the next ``generate`` call.
+  to ``MAX_HOLD``), each window that pays (by ``MARGIN``, without the benefit of the doubt) halves it
+  back. A hold carries over to the next ``generate`` call.
   So a drafter that never pays on this machine (a draft model or early exit where their layers are
   dear) spends a short probe each time it is tried again, and one that pays on average keeps drafting
   through its unlucky steps.
