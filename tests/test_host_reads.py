@@ -61,14 +61,15 @@ def test_the_counter_sees_every_kind_of_read(inference):
     assert reads.count == 10
 
 
-def _reads_per_step(name: str, fit: bool, lookup: int = 0, rows: int = 1, threshold: float = 0.0) -> tuple[int, int]:
-    """(host reads in the decode's steps, its steps: loop iterations, each verifying every live row)."""
+def _reads_per_step(name: str, fit: bool, lookup: int = 0, rows: int = 1, **settings) -> tuple[int, int]:
+    """(host reads in the decode's steps, its steps: loop iterations, each verifying every live row).
+    settings: the drafter's threshold or gate (default 0: none)."""
     model = tiny_model("llama")
     kind = {"medusa": "medusa", "eagle": "eagle", "early-exit": "early-exit"}.get(name)
     heads = untrained_heads(kind, model, "t", exit_layer=1 if kind == "early-exit" else None) if kind else None
     kw = {"lookup": lookup} if kind in ("medusa", "eagle") else {}
-    if name in ("early-exit", "draft-model"):
-        kw = {"threshold": threshold}
+    if name != "none" and name != "lookup":
+        kw |= {"threshold": 0.0} | ({"gate": 0.0} if name == "medusa" else {}) | settings
     if name == "draft-model":
         kw["draft_model"] = tiny_model("llama", seed=1, num_hidden_layers=1)
     sm = SelfSpeculativeModel(model, None, drafter_name=name, heads=heads, name="t", fit_width=fit, **kw)
@@ -123,3 +124,11 @@ def test_a_chain_drafter_reads_once_a_chain_step_and_only_under_a_threshold(name
     assert reads == steps, f"{name}: {reads} host reads in {steps} steps of {rows} row(s)"
     reads, steps = _reads_per_step(name, fit=False, rows=rows, threshold=0.05)
     assert reads <= (1 + 4) * steps, f"{name}, threshold: {reads} host reads in {steps} steps of {rows} row(s)"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_gated_medusa_step_reads_its_confidences_once(rows, one_thread):
+    """Medusa under a gate (the shipped heads' setting) cuts each row's tree on the host: every row's
+    confidences come back in one read, so a step reads twice however many rows it has."""
+    reads, steps = _reads_per_step("medusa", fit=False, rows=rows, gate=0.5)
+    assert reads <= 2 * steps, f"medusa, gate: {reads} host reads in {steps} steps of {rows} row(s)"

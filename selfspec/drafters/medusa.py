@@ -70,8 +70,10 @@ class MedusaDrafter(Drafter):
         table, conf = cand.tokens.view(B, tree.depth, -1), cand.conf.view(B, tree.depth, -1)
         tokens, path_p = layout(tree, roots, table), layout_path_p(tree, conf)                   # (B, n) each
         drafts = []
+        # Under a threshold or gate, every row's confidences in one read (each row's tree is cut on the host).
+        host = conf.tolist() if self.threshold > 0 or self.gate > 0 else [None] * B
         for b in range(B):
-            cut = pruned(tree, conf[b], self.threshold, self.gate)
+            cut = pruned(tree, host[b], self.threshold, self.gate)
             drafts.append(Draft(tree=tree, tokens=tokens[b], path_p=path_p[b]) if cut is tree else
                           Draft(tree=cut, tokens=layout(cut, states[b].ids[-1], table[b]),
                                 path_p=layout_path_p(cut, conf[b])))
