@@ -18,7 +18,7 @@ import torch
 from ..core.accept import Accepted
 from ..core.backbone import Backbone
 from ..core.tree import Tree
-from ..core.types import DecodeState, Draft, Drafter, Drafts, TargetOut
+from ..core.types import DecodeState, Draft, Drafter, Drafts, HostDraft, TargetOut
 from ..corpus import Corpus
 from ..heads import Heads
 from .base import (
@@ -69,17 +69,37 @@ class MedusaDrafter(Drafter):
                               vocab_size=self.backbone.vocab_size, state=states[0], draw=False)
         table, conf = cand.tokens.view(B, tree.depth, -1), cand.conf.view(B, tree.depth, -1)
         tokens, path_p = layout(tree, roots, table), layout_path_p(tree, conf)                   # (B, n) each
-        drafts = []
-        # Under a threshold or gate, every row's confidences in one read (each row's tree is cut on the host).
-        host = conf.tolist() if self.threshold > 0 or self.gate > 0 else [None] * B
-        for b in range(B):
-            cut = pruned(tree, host[b], self.threshold, self.gate)
-            drafts.append(Draft(tree=tree, tokens=tokens[b], path_p=path_p[b]) if cut is tree else
-                          Draft(tree=cut, tokens=layout(cut, states[b].ids[-1], table[b]),
-                                path_p=layout_path_p(cut, conf[b])))
+        if self.threshold > 0 or self.gate > 0:
+            drafts = self._cut(tree, tokens, path_p, conf)
+        else:
+            drafts = [Draft(tree=tree, tokens=tokens[b], path_p=path_p[b]) for b in range(B)]
         whole = all(d.tree is tree for d in drafts)   # (every row's tokens laid out flat already)
         drafts = Drafts(drafts, tokens=tokens.reshape(-1)) if whole else Drafts(drafts)
         return with_lookup(drafts, states, self.lookup, vocab_size=self.backbone.vocab_size, corpus=self.corpus)
+
+    def _cut(self, tree: Tree, tokens: torch.Tensor, path_p: torch.Tensor, conf: torch.Tensor) -> list[Draft]:
+        """Every row's tree cut on the host (``pruned``) from ONE read of every row's node tokens, path
+        probabilities and confidences (tokens, path_p: (B, n); conf: (B, depth, width)). Each draft carries
+        what the host read of it (``Draft.host``), so a lookup graft and width fitting read nothing more.
+        A cut tree keeps its nodes in the whole tree's order, so its tokens and path probabilities are the
+        whole tree's at the kept nodes."""
+        B, n, (depth, width) = tokens.shape[0], tree.size, conf.shape[1:]
+        flat = torch.cat([tokens.double(), path_p.double(), conf.reshape(B, -1).double()], 1).tolist()
+        place = {p: i for i, p in enumerate(tree.paths, start=1)}   # path -> node id in the whole tree
+        drafts = []
+        for b, row in enumerate(flat):
+            held = row[2 * n:]
+            cut = pruned(tree, [held[d * width: (d + 1) * width] for d in range(depth)], self.threshold, self.gate)
+            keep = list(range(n)) if cut is tree else [0] + [place[p] for p in cut.paths]
+            if cut is tree:
+                draft = Draft(tree=tree, tokens=tokens[b], path_p=path_p[b])
+            else:
+                at = torch.tensor(keep, device=tokens.device)
+                draft = Draft(tree=cut, tokens=tokens[b, at], path_p=path_p[b, at])
+            draft.__dict__["host"] = HostDraft([int(row[i]) for i in keep], *cut.lists,
+                                               path_p=[row[n + i] for i in keep])
+            drafts.append(draft)
+        return drafts
 
     def _logits(self, states: list[DecodeState], roots: torch.Tensor) -> torch.Tensor:
         """(B, depth, V_draft): only the heads the tree uses, on each row's hidden state (its root, the
