@@ -103,7 +103,7 @@ class DraftModelDrafter(Drafter):
         """The rows' draft caches are the rows of one batched cache (one draft forward per step for all rows)."""
         self.cache, self.seen, self.fed = kv.new_cache(len(states)), [0] * len(states), [0] * len(states)
 
-    def _forward(self, rows: list[int], feeds: "list[list[int]] | torch.Tensor") -> torch.Tensor:
+    def _forward(self, rows: list[int], feeds: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """Feed each row's ids after its seen prefix, all rows in one call -> (R, V) logits for each row's
         next token (V_draft with a draft vocabulary). feeds: per row a list of ids, or (R, 1) ids on the
         device (a chain step's drawn tokens: not read back). Rows padded to the longest feed, each query
@@ -112,7 +112,7 @@ class DraftModelDrafter(Drafter):
         n = [1] * R if isinstance(feeds, torch.Tensor) else [len(f) for f in feeds]
         N = max(n)
         past = torch.tensor([self.seen[b] for b in rows], device=dev)
-        x = feeds if isinstance(feeds, torch.Tensor) else \
+        x = feeds.to(dev) if isinstance(feeds, torch.Tensor) else \
             torch.tensor([f + [0] * (N - len(f)) for f in feeds], device=dev)
         pos = past[:, None] + torch.arange(N, device=dev)
         mask = None   # one row: one query sees its whole cache, and n queries on an empty cache are plain causal
