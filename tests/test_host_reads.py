@@ -70,7 +70,7 @@ def _reads_per_step(name: str, fit: bool, lookup: int = 0, rows: int = 1, *, pla
     kind = {"medusa": "medusa", "eagle": "eagle", "early-exit": "early-exit"}.get(name)
     heads = untrained_heads(kind, model, "t", exit_layer=1 if kind == "early-exit" else None) if kind else None
     kw = {"lookup": lookup} if kind in ("medusa", "eagle") else {}
-    if name != "none" and name != "lookup":
+    if name not in ("none", "lookup"):
         kw |= {"threshold": 0.0} | ({"gate": 0.0} if name == "medusa" else {}) | settings
     if name == "draft-model":
         kw["draft_model"] = tiny_model("llama", seed=1, num_hidden_layers=1)

@@ -208,7 +208,7 @@ def path_probs(tree: Tree, conf: torch.Tensor | Sequence[float]) -> list[float]:
     return out
 
 
-def prune(tree: Tree, conf: torch.Tensor, threshold: float, gate: float = 0.0) -> tuple[Path, ...]:
+def prune(tree: Tree, conf: torch.Tensor | Sequence[float], threshold: float, gate: float = 0.0) -> tuple[Path, ...]:
     """The paths of ``tree`` a draft is confident enough to propose: a pure function.
 
     conf: (n,) the draft's probability for each node given its parent (root ignored), a tensor or a list.

@@ -108,11 +108,11 @@ def check_lookup(lookup: int) -> int:
     return lookup
 
 
-def pruned(tree: Tree, conf: torch.Tensor | list[list[float]] | None, threshold: float, gate: float = 0.0) -> Tree:
+def pruned(tree: Tree, conf: torch.Tensor | list[list[float]], threshold: float, gate: float = 0.0) -> Tree:
     """``tree`` cut where the draft is unsure (``tree.prune``: node threshold, then whole-tree gate).
 
     conf: (depth, width) per-candidate confidences, one row per depth (``Candidates.conf``), or the same
-    as lists the host holds already (then nothing is read); None only where neither cuts."""
+    as lists the host holds already (then nothing is read)."""
     if threshold <= 0 and gate <= 0:
         return tree
     if isinstance(conf, torch.Tensor):
