@@ -95,13 +95,14 @@ class Tree:
         """Most candidates any node at ``depth - 1`` asks for at ``depth`` (how many to pick per row)."""
         return 1 + max((p[-1] for p in self.paths if len(p) == depth), default=-1)
 
-    def attention_mask(self, past_len: int, *, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
-        """Additive mask (1, 1, n_rows, past_len + n): every node sees the whole past and its own ancestors."""
-        kept = self.__dict__.setdefault("_additive", {})   # the tree's part, per dtype (a shipped tree's, every step)
-        if dtype not in kept:
-            kept[dtype] = additive_mask(self.ancestors, dtype)[0, 0]
-        tree = kept[dtype][rows]
-        return torch.cat([tree.new_zeros(tree.shape[0], past_len), tree], dim=1)[None, None]
+    def attention_mask(self, past_len: int, *, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (1, 1, n, past_len + n): every node sees the whole past and its own ancestors."""
+        hidden = self.__dict__.get("_hidden")   # (kept: a shipped tree's, every step)
+        if hidden is None:
+            hidden = self.__dict__["_hidden"] = ~self.ancestors
+        mask = torch.zeros(1, 1, self.size, past_len + self.size, dtype=dtype, device=hidden.device)
+        mask[..., past_len:].masked_fill_(hidden, torch.finfo(dtype).min)
+        return mask
 
     def position_ids(self, past_len: int) -> torch.Tensor:
         """(1, n): the root sits at ``past_len``, a node at depth d at ``past_len + d``."""

@@ -159,10 +159,16 @@ class EagleDrafter(Drafter):
     def _run(self, feature: torch.Tensor, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              mask: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
         """Slots for ``tokens`` (R, n) reading ``feature`` (R, n, H), at the positions whose rotary (cos, sin)
-        is ``rope`` ((R, n or 1, head_dim) each, ``Backbone.rope``; 1: every slot's), appended to rows ``rows`` of the head cache
-        -> (R, n, H) output states."""
-        emb = self.backbone.embed_tokens(tokens).to(self.dtype)
+        is ``rope`` ((R, n or 1, 1, head_dim) each, ``_rope``; 1: every slot's), appended to rows ``rows`` of the head
+        cache -> (R, n, H) output states."""
+        emb = self.backbone.embed_tokens(tokens)
+        emb = emb if emb.dtype == self.dtype else emb.to(self.dtype)
         return self.head.decode(feature, emb, rope, self.cache.rows(rows), mask, self._weights)
+
+    def _rope(self, like: torch.Tensor, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary (cos, sin) of ``positions`` (R, n), all below ``top``, as ``_run`` reads them: (R, n, 1, head_dim)."""
+        cos, sin = self.backbone.rope(like, positions, top=top)
+        return cos[:, :, None], sin[:, :, None]
 
     def _fill(self, row: int, captured: tuple[torch.Tensor, ...], nodes, tokens: torch.Tensor, start: int) -> None:
         """Row ``row``'s committed slots start.. from the target's features at ``nodes`` (a (m,) index; None:
@@ -170,7 +176,7 @@ class EagleDrafter(Drafter):
         aux = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
         feature = self.head.fuse((aux if nodes is None else aux[:, nodes]).to(self.dtype))
         end = start + tokens.shape[0]
-        rope = self.backbone.rope(feature, torch.arange(start, end, device=tokens.device)[None], top=end)
+        rope = self._rope(feature, torch.arange(start, end, device=tokens.device)[None], end)
         states = self._run(feature, tokens[None], rope, None, [row])
         self.root_state[row] = states[:, -1:]
         self.committed[row] = start + tokens.shape[0]
@@ -219,7 +225,7 @@ class EagleDrafter(Drafter):
         positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
         visible = torch.arange(max(starts) + N, device=dev)[None, None, :] <= positions[:, :, None]        # (R, N, T)
         feature = self.head.fuse(feature)
-        run = self._run(feature, tokens, self.backbone.rope(feature, positions, top=max(starts) + N),
+        run = self._run(feature, tokens, self._rope(feature, positions, max(starts) + N),
                         additive_mask(visible, self.dtype), rows)
         for i, b in enumerate(rows):
             self.committed[b] += sizes[i]
@@ -228,8 +234,8 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ drafting
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r, V_draft) logits -> each row's ``expand`` likeliest draft ids and their log-probabilities."""
-        score, cand = logits.float().log_softmax(-1).topk(self.expand, dim=-1)
+        """(..., V_draft) logits -> each row's ``expand`` likeliest draft ids and their log-probabilities (float32)."""
+        score, cand = (logits if logits.dtype == torch.float32 else logits.float()).log_softmax(-1).topk(self.expand, dim=-1)
         return cand, score
 
     @torch.no_grad()
@@ -260,20 +266,27 @@ class EagleDrafter(Drafter):
         if static:   # the newest level's drafted ancestors' places, and its nodes' own
             anc, own = torch.zeros(R, k, 0, dtype=torch.long, device=dev), _level_layout(R, k, dev)[1]
         else:
-            # Level d's nodes all sit at position past + d - 1: every level's rotary at once.
-            cos, sin = self.backbone.rope(root, past[:, None] + torch.arange(self.depth - 1, device=dev),
-                                          top=max(s.past_len for s in states) + self.depth)
+            # Level d's nodes all sit at position past + d - 1: every level's rotary at once, split by level.
+            cos, sin = self._rope(root, past[:, None] + torch.arange(self.depth - 1, device=dev),
+                                  max(s.past_len for s in states) + self.depth)
+            cos, sin = cos.split(1, dim=1), sin.split(1, dim=1)                   # (R, 1, 1, head_dim) a level
             # What each node of the newest level sees of the head cache, (R, m, T) additive: the root sees the
             # row's committed slots; a node sees what its parent sees and its own slot, level d's node j
             # committed + (d - 1) k + j.
             span = newest + (self.depth - 1) * k
             seen = torch.zeros(R, 1, span, dtype=self.dtype, device=dev).masked_fill_(
                 torch.arange(span, device=dev) >= committed[:, None, None], torch.finfo(self.dtype).min)
-            slots = committed[:, None, None, None] + torch.arange((self.depth - 1) * k, device=dev).view(-1, k, 1)
+            slots = (committed[:, None, None, None] +
+                     torch.arange((self.depth - 1) * k, device=dev).view(-1, k, 1)).unbind(1)   # (R, k, 1) a level
+        at = torch.arange(R, device=dev)[:, None]   # (R, 1): with a level's (R, k) places, each row's own nodes
         levels, active, a = [1] * R, list(range(R)), torch.arange(R, device=dev)
         for d in range(1, self.depth):
-            ranked, order = torch.sort(scores[-1], dim=1, descending=True, stable=True)
-            top_scores, best = ranked[:, :k], order[:, :k]                       # (R, k) the level's best k
+            if d == 1:   # level 1 is the root's candidates, best first already (``topk``): no sort, no gather
+                top_scores, best, ids = scores[-1], torch.arange(k, device=dev).expand(R, -1), tokens[-1]
+            else:
+                ranked, order = torch.sort(scores[-1], dim=1, descending=True, stable=True)
+                top_scores, best = ranked[:, :k], order[:, :k]                       # (R, k) the level's best k
+                ids = tokens[-1].gather(1, best)
             if reads:   # one read for all rows (on a GPU, one synchronisation)
                 n = sum(x.shape[1] for x in scores) - 1
                 read = torch.cat(scores[1:] + [top_scores, rho.clamp(min=1e-30).log()[:, None]], 1).float().tolist()
@@ -288,27 +301,24 @@ class EagleDrafter(Drafter):
                         break
                 a = torch.tensor(active, device=dev)
             # Each runs in slot past + d - 1, reading its parent's output state (level 1's: the root's).
-            place = best // k if d > 1 else torch.zeros_like(best)                            # (R, k) parents'
-            feature = prev.gather(1, place[..., None].expand(-1, -1, H)) if d > 1 else prev.expand(-1, k, -1)
-            ids = tokens[-1].gather(1, best)
+            place = best // k if d > 1 else None                                               # (R, k) parents'
+            feature = prev[at, place] if d > 1 else prev.expand(-1, k, -1)
             if static:   # every row at the static shape; the inactive rows' states unused
                 top_anc = anc.gather(1, best[..., None].expand(-1, -1, anc.shape[2]))           # (R, k, d - 1)
                 anc = _each_k_times(torch.cat([top_anc, own], dim=2), k)   # the next level's
                 run = self._static_level(rows, feature, ids, (past + d - 1)[:, None].expand(-1, k), committed,
                                          top_anc, d)[a]
             else:
-                seen = seen.gather(1, place[..., None].expand(-1, -1, seen.shape[2])).scatter_(2, slots[:, d - 1], 0.0)
+                seen = (seen.repeat(1, k, 1) if d == 1 else seen[at, place]).scatter_(2, slots[d - 1], 0.0)
                 if len(active) == R:
-                    run = self._run(feature, ids, (cos[:, d - 1: d], sin[:, d - 1: d]),
-                                    seen[:, None, :, : newest + d * k], rows)
+                    run = self._run(feature, ids, (cos[d - 1], sin[d - 1]), seen[:, None, :, : newest + d * k], rows)
                 else:
                     top_slot = max(self.committed[rows[b]] for b in active) + d * k
-                    run = self._run(feature[a], ids[a], (cos[a, d - 1: d], sin[a, d - 1: d]), seen[a, None, :, :top_slot],
+                    run = self._run(feature[a], ids[a], (cos[d - 1][a], sin[d - 1][a]), seen[a, None, :, :top_slot],
                                     [rows[b] for b in active])
             prev = run if len(active) == R else run.new_zeros(R, k, H).index_copy_(0, a, run)
-            cand, score = self._candidates(self._logits(run.reshape(-1, H)))                  # (A * k, k)
+            cand, level = self._candidates(self._logits(run))                               # (A, k, k)
             A = len(active)
-            level = score.view(A, k, k)
             if A < R:
                 level = level.new_full((R, k, k), -math.inf).index_copy_(0, a, level)
                 ids = torch.zeros(R, k * k, dtype=torch.long, device=dev).index_copy_(
@@ -361,28 +371,27 @@ class EagleDrafter(Drafter):
         return ranks, depths
 
     def _cut(self, pool: "_Pool") -> Drafts:
-        """Every row's tree out of its pool, all rows at once on the device (every row drafted ``L`` levels):
-        the ``nodes`` best-scored nodes of the pool (EAGLE-2). A child never outscores its parent and ties go
-        to the lower pool id (the parent's), so the kept set is a tree."""
-        k, L = self.expand, pool.levels[0]
-        P = 1 + k + (L - 1) * k * k
-        keep = torch.sort(-pool.scores[:, 1:P], dim=1, stable=True).indices[:, : min(self.nodes, P - 1)] + 1
+        """Every row's tree out of its pool, all rows at once on the device (every row drafted the pool's levels):
+        the ``nodes`` best-scored nodes of the pool (EAGLE-2)."""
         tokens, parents, depths, ranks, ancestors, path_p = self._kept_tree(
-            pool.tokens, pool.parents, pool.scores, keep, L)
+            pool.tokens, pool.parents, pool.scores, self._best_nodes(pool.scores), pool.levels[0])
         return _drafts(tokens, parents, depths, ranks, ancestors, path_p)
 
-    def _kept_tree(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor,
+    def _best_nodes(self, scores: torch.Tensor) -> torch.Tensor:
+        """(R, P) pool scores -> (R, 1 + nodes) each row's root and its ``nodes`` best-scored nodes, in pool order.
+        The root scores 0, the most any node can (a log probability); a child never outscores its parent and
+        ties go to the lower pool id (the root's, a parent's), so the kept set is a tree."""
+        best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : self.nodes + 1]
+        return best.sort(dim=1).values
+
+    def _kept_tree(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, nodes: torch.Tensor,
                    L: int) -> tuple[torch.Tensor, ...]:
-        """Every row's tree of the pool nodes ``keep`` (R, m) (a pool of L levels: tokens, parents, scores
-        (R, P)), its nodes the root then ``keep`` in pool order: their tokens, parents renumbered to tree
+        """Every row's tree of the pool nodes ``nodes`` (R, n) (``_best_nodes``: the root, then the kept nodes in
+        pool order; a pool of L levels: tokens, parents, scores (R, P)): their tokens, parents renumbered to tree
         places, depths, ranks (R, n), ancestors (R, n, n) and path probabilities (R, n)."""
-        R, dev = tokens.shape[0], tokens.device
-        nodes = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=dev), keep.sort(dim=1).values], dim=1)   # (R, n)
-        n = nodes.shape[1]
-        # Renumber: pool id -> place in the row's tree; a kept node's parent is kept, so every lookup hits.
-        place = torch.full_like(tokens, -1).scatter(1, nodes, torch.arange(n, device=dev).expand(R, n))
-        tree_parents = place.gather(1, parents.gather(1, nodes).clamp(min=0))
-        tree_parents = torch.where(torch.arange(n, device=dev) == 0, -1, tree_parents)
+        # A node's tree parent is its pool parent's place among the row's nodes, which ascend and hold every kept
+        # node's parent: the count of nodes at or below that id, less one (the root's parent, -1: none, so -1).
+        tree_parents = torch.searchsorted(nodes, parents.gather(1, nodes), right=True) - 1
         ranks, depths = self._pool_layout(L)
         _, ancestors = tree_tensors(tree_parents, max_depth=L)
         return (tokens.gather(1, nodes), tree_parents, depths[nodes], ranks[nodes], ancestors,
@@ -518,8 +527,7 @@ class EagleDrafter(Drafter):
             anc = _each_k_times(torch.cat([top_anc, own_place], dim=2), k)
             start += tokens[-2].shape[1]
         pool, pool_parents, pool_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
-        keep = torch.sort(-pool_scores[:, 1:], dim=1, stable=True).indices[:, : self.nodes] + 1   # as ``_cut``
-        return self._kept_tree(pool, pool_parents, pool_scores, keep, self.depth)
+        return self._kept_tree(pool, pool_parents, pool_scores, self._best_nodes(pool_scores), self.depth)   # as ``_cut``
 
     def _static_grow(self, states: list[DecodeState]) -> Drafts:
         """``_grow`` at static shapes: the live rows' whole drafts in one call of ``_tree_pass``

@@ -81,9 +81,9 @@ class _Decoding:
     """What ``EagleHead.decode`` reads: the head's weights as plain tensors, some of them combined."""
 
     qkv: torch.Tensor                  # ``EagleAttention.decoding_weight`` of the input norms' weights
-    o: torch.Tensor
+    o_t: torch.Tensor                  # o_proj's weight, transposed (a view): the residual adds in the product
     gate_up: torch.Tensor              # gate's rows, then up's
-    down: torch.Tensor
+    down_t: torch.Tensor               # down_proj's weight, transposed (a view), likewise
     post_norm: torch.Tensor
     hidden_norm: torch.Tensor | None   # norm_before_residual: the residual is hidden_norm(feature)
     norm: torch.Tensor                 # the output norm
@@ -222,7 +222,8 @@ class EagleHead(nn.Module):
         additive; None means causal within the n slots (and every cached slot visible).
         """
         if decoding():
-            return self.decode(feature, embedding, position_embeddings, cache, attention_mask)
+            cos, sin = position_embeddings
+            return self.decode(feature, embedding, (cos[:, :, None], sin[:, :, None]), cache, attention_mask)
         layer, attn = self.midlayer, self.midlayer.self_attn
         q, k, v = attn.qkv(layer.attn_input(feature, embedding), position_embeddings)
         k, v = cache.update(k, v, 0)
@@ -246,20 +247,21 @@ class EagleHead(nn.Module):
         here). The two input norms are one weightless norm over the embedding and the feature side by side,
         their weights folded into one product that also gives the rotary half-turn of q and k
         (``EagleAttention.decoding_weight``), so the rotation is two products and a sum; gate and up are one
-        product. Equal to ``forward`` up to float rounding."""
+        product, every product reads a matrix of rows (B * n), and the residual adds in the two that write it. position_embeddings: (cos, sin), each
+        (B, n or 1, 1, head_dim), broadcast over the heads. Equal to ``forward`` up to float rounding."""
         w = weights or self.decoding_weights()
         B, n, H = feature.shape
         nh, m = w.heads, w.heads + w.kv_heads
         x = F.rms_norm(torch.stack([embedding, feature], dim=2), (H,), None, w.eps)             # (B, n, 2, H)
-        y = F.linear(x.view(B, n, 2 * H), w.qkv).view(B, n, -1, w.head_dim)
+        y = F.linear(x.view(B * n, 2 * H), w.qkv).view(B, n, -1, w.head_dim)
         cos, sin = position_embeddings
-        qk = torch.addcmul(y[:, :, :m] * cos[:, :, None], y[:, :, m: 2 * m], sin[:, :, None]).transpose(1, 2)
+        qk = torch.addcmul(y[:, :, :m] * cos, y[:, :, m: 2 * m], sin).transpose(1, 2)
         k, v = cache.update(qk[:, nh:], y[:, :, 2 * m:].transpose(1, 2), 0)
         o = F.scaled_dot_product_attention(qk[:, :nh], k, v, **self._attention(mask, n, k))
         residual = feature if w.hidden_norm is None else x[:, :, 1] * w.hidden_norm
-        h = residual + F.linear(o.transpose(1, 2).reshape(B, n, -1), w.o)
+        h = torch.addmm(residual.reshape(B * n, H), o.transpose(1, 2).reshape(B * n, -1), w.o_t)
         gate, up = F.linear(F.rms_norm(h, (H,), w.post_norm, w.post_eps), w.gate_up).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, w.down)
+        h = torch.addmm(h, F.silu(gate) * up, w.down_t).view(B, n, H)
         return F.rms_norm(h, (H,), w.norm, w.norm_eps) if self.norm_output else h
 
     def decoding_weights(self) -> "_Decoding":
@@ -275,9 +277,9 @@ class EagleHead(nn.Module):
             raise ValueError("the eagle head's input norms must share one eps")
         norms = torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])
         return _Decoding(
-            qkv=attn.decoding_weight(norms), o=attn.o_proj.weight,
+            qkv=attn.decoding_weight(norms), o_t=attn.o_proj.weight.t(),
             gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
-            down=layer.mlp.down_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+            down_t=layer.mlp.down_proj.weight.t(), post_norm=layer.post_attention_layernorm.weight,
             hidden_norm=layer.hidden_norm.weight if layer.norm_before_residual else None,
             norm=self.norm.weight, lm_head=self.lm_head.weight, eps=layer.input_layernorm.eps,
             post_eps=layer.post_attention_layernorm.eps, norm_eps=self.norm.eps, heads=attn.num_heads,
