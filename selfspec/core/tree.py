@@ -173,16 +173,16 @@ def tree_from_parents(parents: torch.Tensor, ranks: torch.Tensor, *, max_depth: 
 def tree_tensors(parents: torch.Tensor, *, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Depths (B, n) and ancestor sets (B, n, n) of a batch of trees given by parent arrays (B, n)
     (parents[:, 0] = -1, parents[b, i] < i, no node deeper than ``max_depth``), on their device with no
-    host read: node i reaches itself and its parent; squaring that relation (a boolean product) doubles
-    how many levels up it reaches, so ceil(log2(max_depth)) products reach every ancestor."""
+    host read. With S = I + (each node's parent), entry (i, j) of S^m counts the ways up from i to j in m
+    moves that each stay or go to the parent: C(m, d) for an ancestor d levels up, at most m of them, and 0
+    otherwise; so S^max_depth is nonzero exactly at every node's ancestors and itself (entries at most
+    2^max_depth: float32 holds them exactly enough to 120 levels, float64 beyond)."""
     B, n = parents.shape
+    m = max(1, min(max_depth, n - 1))
+    dtype = torch.float32 if m <= 120 else torch.float64
     idx = torch.arange(n, device=parents.device)
-    reach = (parents[..., None] == idx) | (idx[:, None] == idx)                    # (B, n, n) self and parent
-    span = 1
-    while span < max_depth:
-        r = reach.to(torch.float32)   # 0/1 entries, sums of at most n: exact
-        reach = torch.bmm(r, r) > 0
-        span *= 2
+    step = torch.eye(n, dtype=dtype, device=parents.device) + (parents[..., None] == idx)          # (B, n, n)
+    reach = torch.linalg.matrix_power(step, m) > 0
     return reach.sum(-1) - 1, reach
 
 
