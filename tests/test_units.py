@@ -30,7 +30,7 @@ def test_tree_builder_shapes_mask_positions():
     assert build_tree(((0,), (1,), (0, 0), (1, 0))) is t          # cached on its shape
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("depth", [1, 2, 3, 5, 8, 9, 130])   # (130: past float32's range for the counts)
 def test_tree_tensors_give_every_node_its_depth_and_ancestors(depth):
     """Batches of random trees no deeper than ``depth`` (chains of exactly that depth among them): depths and
     ancestor sets as a walk up the parents gives them."""
