@@ -10,6 +10,10 @@ decodes ``--new`` tokens after a ``--prompt``-token prompt, greedy, interleaved 
 verification step, and as a multiple of transformers' milliseconds per token. With ``--batch`` B, each
 decode runs B prompts (against transformers' batched ``generate`` of B rows): a step verifies every row
 and transformers' step makes a token for each, so what grows with the rows shows up as a larger multiple.
+
+Eager runs also count the operations a step dispatches (every aten call, a view included, under a
+``TorchDispatchMode``, in one more decode of each): a measure of the host work that does not move with
+the machine's load, where the milliseconds move by 10-20% from run to run on a shared VM.
 """
 
 from __future__ import annotations
@@ -82,14 +86,33 @@ def main() -> None:
             t = time.perf_counter()
             steps = fn()
             times.append((time.perf_counter() - t) * 1e3 / steps)
+    ops = {} if a.compile else {name: _ops(fn) for name, (fn, _) in runs.items()}   # per step (per token: hf)
     base = min(runs["hf"][1])
     print(f"tiny llama (4 layers, hidden 64, vocab 512), {a.threads} thread(s), {a.prompt}-token prompt, "
           f"{a.new} new tokens, {a.batch} row(s), fastest of {a.runs}{', compiled' if a.compile else ', eager'}, torch {torch.__version__}")
-    print("| method | ms per step | x transformers' ms per token | tau |\n|---|---|---|---|")
-    print(f"| transformers generate | {base:.2f} | 1.00 | 1.00 |")
+    counted = " | ops per step | x transformers' ops per token" if ops else ""
+    print(f"| method | ms per step | x transformers' ms per token | tau{counted} |\n|---|---|---|---{'|---|---' if ops else ''}|")
+    row = lambda name: f" | {ops[name]:.0f} | {ops[name] / ops['hf']:.2f}" if ops else ""   # noqa: E731
+    print(f"| transformers generate | {base:.2f} | 1.00 | 1.00{row('hf')} |")
     for name, sm in made.items():
         best = min(runs[name][1])
-        print(f"| selfspec {name} | {best:.2f} | {best / base:.2f} | {sm.last_stats.tau:.2f} |")
+        print(f"| selfspec {name} | {best:.2f} | {best / base:.2f} | {sm.last_stats.tau:.2f}{row(name)} |")
+
+
+def _ops(decode) -> float:
+    """The aten operations one run of ``decode`` (which returns its steps) dispatches, per step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        steps = decode()
+    return count.n / steps
 
 
 if __name__ == "__main__":

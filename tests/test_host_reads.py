@@ -139,3 +139,27 @@ def test_a_gated_medusa_step_reads_its_drafts_once(rows, fit, one_thread):
     reads, steps, plain = _reads_per_step("medusa", fit=fit, lookup=4 if fit else 0, rows=rows, gate=0.5, plain=True)
     drafted = steps - plain // rows   # (a plain step is plain for every row; how many follows this machine's timings)
     assert reads <= steps + drafted, f"medusa, gate: {reads} reads in {steps} steps ({drafted} drafted), {rows} row(s)"
+
+
+def test_the_step_benchmark_counts_each_steps_operations():
+    """scripts/step_cost.py (issue 62's benchmark of a step's host work) runs, and its eager table gives each
+    method's dispatched operations per step beside the milliseconds: transformers' token and the plain loop's
+    step make a few hundred, and EAGLE's step (four draft levels, the commit, the cut) makes more than the plain
+    loop's. The counts do not follow the machine's load: two runs give the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "step_cost.py"
+
+    def table() -> dict[str, list[str]]:
+        out = subprocess.run([sys.executable, str(script), "--runs", "1", "--new", "12", "--drafters", "none,eagle"],
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+        return {r[0].strip(): [c.strip() for c in r[1:]] for r in (line.strip("|").split("|") for line in out[3:])}
+
+    first, second = table(), table()
+    ops = {name: float(cells[3]) for name, cells in first.items()}
+    assert set(ops) == {"transformers generate", "selfspec none", "selfspec eagle"}, first
+    assert 100 < ops["selfspec none"] < 1000 and 100 < ops["transformers generate"] < 1000, first
+    assert ops["selfspec eagle"] > ops["selfspec none"], first
+    assert {n: c[3] for n, c in first.items()} == {n: c[3] for n, c in second.items()}, (first, second)
