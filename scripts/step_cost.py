@@ -90,8 +90,8 @@ def main() -> None:
     base = min(runs["hf"][1])
     print(f"tiny llama (4 layers, hidden 64, vocab 512), {a.threads} thread(s), {a.prompt}-token prompt, "
           f"{a.new} new tokens, {a.batch} row(s), fastest of {a.runs}{', compiled' if a.compile else ', eager'}, torch {torch.__version__}")
-    counted = " | ops per step | x transformers' ops per token" if ops else ""
-    print(f"| method | ms per step | x transformers' ms per token | tau{counted} |\n|---|---|---|---{'|---|---' if ops else ''}|")
+    counted = (" | ops per step | x transformers' ops per token", "|---|---") if ops else ("", "")
+    print(f"| method | ms per step | x transformers' ms per token | tau{counted[0]} |\n|---|---|---|---{counted[1]}|")
     row = lambda name: f" | {ops[name]:.0f} | {ops[name] / ops['hf']:.2f}" if ops else ""   # noqa: E731
     print(f"| transformers generate | {base:.2f} | 1.00 | 1.00{row('hf')} |")
     for name, sm in made.items():

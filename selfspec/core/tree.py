@@ -175,8 +175,8 @@ def tree_tensors(parents: torch.Tensor, *, max_depth: int) -> tuple[torch.Tensor
     (parents[:, 0] = -1, parents[b, i] < i, no node deeper than ``max_depth``), on their device with no
     host read. With S = I + (each node's parent), entry (i, j) of S^m counts the ways up from i to j in m
     moves that each stay or go to the parent: C(m, d) for an ancestor d levels up, at most m of them, and 0
-    otherwise; so S^max_depth is nonzero exactly at every node's ancestors and itself (entries at most
-    2^max_depth: float32 holds them exactly enough to 120 levels, float64 beyond)."""
+    otherwise; so S^max_depth is nonzero exactly at every node's ancestors and itself. Its entries are at most
+    2^max_depth: within float32's range to 120 levels, float64's beyond."""
     B, n = parents.shape
     m = max(1, min(max_depth, n - 1))
     dtype = torch.float32 if m <= 120 else torch.float64

@@ -166,7 +166,8 @@ class EagleDrafter(Drafter):
         return self.head.decode(feature, emb, rope, self.cache.rows(rows), mask, self._weights)
 
     def _rope(self, like: torch.Tensor, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary (cos, sin) of ``positions`` (R, n), all below ``top``, as ``_run`` reads them: (R, n, 1, head_dim)."""
+        """The rotary (cos, sin) of ``positions`` (R, n), all below ``top``, as ``_run`` reads them:
+        (R, n, 1, head_dim) each."""
         cos, sin = self.backbone.rope(like, positions, top=top)
         return cos[:, :, None], sin[:, :, None]
 
@@ -235,7 +236,8 @@ class EagleDrafter(Drafter):
     # ------------------------------------------------------------------ drafting
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., V_draft) logits -> each row's ``expand`` likeliest draft ids and their log-probabilities (float32)."""
-        score, cand = (logits if logits.dtype == torch.float32 else logits.float()).log_softmax(-1).topk(self.expand, dim=-1)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        score, cand = logits.log_softmax(-1).topk(self.expand, dim=-1)
         return cand, score
 
     @torch.no_grad()
@@ -527,7 +529,8 @@ class EagleDrafter(Drafter):
             anc = _each_k_times(torch.cat([top_anc, own_place], dim=2), k)
             start += tokens[-2].shape[1]
         pool, pool_parents, pool_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
-        return self._kept_tree(pool, pool_parents, pool_scores, self._best_nodes(pool_scores), self.depth)   # as ``_cut``
+        nodes = self._best_nodes(pool_scores)   # as ``_cut``
+        return self._kept_tree(pool, pool_parents, pool_scores, nodes, self.depth)
 
     def _static_grow(self, states: list[DecodeState]) -> Drafts:
         """``_grow`` at static shapes: the live rows' whole drafts in one call of ``_tree_pass``

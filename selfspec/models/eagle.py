@@ -247,8 +247,9 @@ class EagleHead(nn.Module):
         here). The two input norms are one weightless norm over the embedding and the feature side by side,
         their weights folded into one product that also gives the rotary half-turn of q and k
         (``EagleAttention.decoding_weight``), so the rotation is two products and a sum; gate and up are one
-        product, every product reads a matrix of rows (B * n), and the residual adds in the two that write it. position_embeddings: (cos, sin), each
-        (B, n or 1, 1, head_dim), broadcast over the heads. Equal to ``forward`` up to float rounding."""
+        product, every product reads a matrix of B * n rows, and the residual is added inside the two products
+        that write to it. position_embeddings: (cos, sin), each (B, n or 1, 1, head_dim), broadcast over the
+        heads. Equal to ``forward`` up to float rounding."""
         w = weights or self.decoding_weights()
         B, n, H = feature.shape
         nh, m = w.heads, w.heads + w.kv_heads
