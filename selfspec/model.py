@@ -281,8 +281,10 @@ class SelfSpeculativeModel:
         match, the lookup (lookup, medusa and eagle drafters) proposes what followed the same tokens in the
         target's own earlier answers: a directory from ``selfspec build-corpus`` (or a loaded ``Corpus``);
         "auto" takes the one shipped for the demo model (none for other models), None turns it off. compile: run each verification at
-        static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU); the first calls
-        pay the compilation (tens of seconds on CPU), so it pays over long or many generations. fit_width: the
+        static shapes on a preallocated cache through ``torch.compile`` (CUDA graphs on GPU; on CPU a tree of several
+        nodes reads the weights frozen into the compiled code, packed once: a copy of them per tree size, and
+        weights changed in place later are not seen); the first calls pay the compilation (minutes on CPU), so it
+        pays over long or many generations. fit_width: the
         runtime adapts to this machine's measured costs: each step (greedy or sampled) verifies every row's tree
         cut to the width the pass is worth (the most expected tokens per second, from the draft's probabilities
         and the pass's cost here, timed on first use in about a second, then learned from the steps), and

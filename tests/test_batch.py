@@ -959,3 +959,28 @@ def test_a_static_steps_path_moves_are_the_per_layer_moves(compile, one_thread):
             for got, want in zip(one.keys + one.values, plain.keys + plain.values):
                 assert torch.equal(got[b, :, :n], want[b, :, :n])
     assert one.lengths[0] == [10 + 1, 11 + 5, 15 + 3]
+
+
+def test_a_compiled_cpu_pass_freezes_the_weights(one_thread):
+    """On CPU a compiled static pass built with ``freeze`` (the verify pass of trees of several nodes)
+    freezes its weights: constants of the compiled code, packed once, as ``StaticFunction`` documents. It
+    gives the eager products, a second model of the same shape gets its own graph, and a weight changed in
+    place after its shape compiled is not seen; without ``freeze`` the pass reads the weights as they are."""
+    from selfspec.runtime.static import StaticFunction
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(16, 8, bias=False) for _ in range(3)]
+    cpu = torch.device("cpu")
+    frozen = [StaticFunction(lambda x, lin=lin: torch.relu(lin(x)) * 2, compile=True, device=cpu, freeze=True)
+              for lin in linears[:2]]
+    plain = StaticFunction(lambda x: torch.relu(linears[2](x)) * 2, compile=True, device=cpu)
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        for lin, f in zip(linears, frozen + [plain]):
+            assert torch.allclose(f(x), torch.relu(lin(x)) * 2, atol=1e-6)
+        before = frozen[0](x)
+        for lin in (linears[0], linears[2]):
+            lin.weight.mul_(3.0)
+        assert torch.equal(frozen[0](x), before), "a frozen CPU pass re-read its weights"
+        assert torch.allclose(frozen[1](x), torch.relu(linears[1](x)) * 2, atol=1e-6)
+        assert torch.allclose(plain(x), torch.relu(linears[2](x)) * 2, atol=1e-6), "an unfrozen pass froze"

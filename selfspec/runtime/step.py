@@ -44,6 +44,9 @@ class StaticStep:
         self.mode = mode
         self.capacity = 0
         self._forward = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode)
+        # Trees of several nodes on CPU: the weights frozen in, packed (``StaticFunction``). A one-node pass
+        # gains nothing from packing, so plain steps keep the weights as they are (and the memory of a copy).
+        self._wide = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode, freeze=True)
         self._move = StaticFunction(move_slots, compile=compile, device=backbone.device, mode=mode)
         self.storage = StaticStorage(static_address=compile)   # the cache buffers every decode reuses
 
@@ -129,9 +132,9 @@ class StaticStep:
         batch = drafts.padded(n, dev, rows=rows, batch=B)   # (idle rows: padding trees)
         # (contiguous: a compiled pass is specialised on its inputs' strides, and one tree shared by every row
         # comes expanded)
-        normed, mid = self._forward(cache.keys, cache.values, batch.tokens, batch.depths.contiguous(),
-                                    batch.ancestors.contiguous(),
-                                    torch.tensor(lens, device=dev), tuple(capture))
+        forward = self._wide if n > 1 else self._forward
+        normed, mid = forward(cache.keys, cache.values, batch.tokens, batch.depths.contiguous(),
+                              batch.ancestors.contiguous(), torch.tensor(lens, device=dev), tuple(capture))
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):
