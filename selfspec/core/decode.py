@@ -179,15 +179,19 @@ def _verify_resumed_rows(backbone: Backbone, cache: KVCache, pasts: list[int], d
 
 
 def row_outputs(backbone: Backbone, normed: torch.Tensor, mid: tuple[torch.Tensor, ...], rows: list[int],
-                sizes: list[int]) -> Verified:
+                sizes: list[int], logits: torch.Tensor | None = None) -> Verified:
     """Per row: its first sizes[i] nodes of a padded pass (normed (B, n, H), row rows[i]). The LM head
-    (the widest product) runs on real nodes only: the rows' nodes packed, padding left out."""
+    (the widest product) runs on real nodes only, the rows' nodes packed and padding left out, unless the
+    pass gave every node's ``logits`` (B, n, V) already."""
     n = normed.shape[1]
-    if len(rows) == 1:   # one row: its real nodes are a slice
-        flat = backbone.logits(normed[rows[0], : sizes[0]])
-    else:
-        real = torch.tensor([b * n + j for b, m in zip(rows, sizes) for j in range(m)], device=normed.device)
-        flat = backbone.logits(normed.reshape(-1, normed.shape[-1]).index_select(0, real))
+
+    def real(x: torch.Tensor) -> torch.Tensor:   # (B, n, D) -> the rows' real nodes (sum(sizes), D)
+        if len(rows) == 1:   # one row: its real nodes are a slice
+            return x[rows[0], : sizes[0]]
+        index = torch.tensor([b * n + j for b, m in zip(rows, sizes) for j in range(m)], device=x.device)
+        return x.reshape(-1, x.shape[-1]).index_select(0, index)
+
+    flat = backbone.logits(real(normed)) if logits is None else real(logits)
     return Verified([TargetOut(logits=lg, hidden=normed[b, :m], captured=tuple(c[b:b + 1, :m] for c in mid))
                      for b, m, lg in zip(rows, sizes, flat.split(sizes))], flat, mid, rows)
 

@@ -39,6 +39,7 @@ class StaticFunction:
         self.compiled = compile
         self.graphs = False
         self._around = contextlib.nullcontext()   # what each call runs in
+        self.frozen = False
         if not compile:
             self._fn = fn
             return
@@ -59,6 +60,7 @@ class StaticFunction:
                 import torch._inductor.config
 
                 self._around = torch._inductor.config.patch(freezing=True)
+                self.frozen = True
         else:
             self._fn = torch.compile(fn, mode=mode, dynamic=False)
 

@@ -100,7 +100,7 @@ class StaticStep:
                 cache.keep([1] * batch, [torch.arange(n - 1, -1, -1)] * batch)
         self.storage.release(cache)
 
-    def _pass(self, keys, values, tokens, depths, ancestors, lengths, capture: tuple[int, ...]):
+    def _pass(self, keys, values, tokens, depths, ancestors, lengths, capture: tuple[int, ...], logits: bool):
         bb = self.backbone
         B, n = tokens.shape
         slots = lengths[:, None] + torch.arange(n, device=tokens.device)                    # (B, n)
@@ -108,7 +108,8 @@ class StaticStep:
         mask = tree_mask(ancestors, lengths, keys[0].shape[2], bb.dtype)
         h, mid = _layers(bb, bb.embed_tokens(tokens), start=0, position_ids=lengths[:, None] + depths, mask=mask,
                          cache=SlotWriter(keys, values, rows, slots), capture=capture)
-        return bb.final_norm(h), mid
+        normed = bb.final_norm(h)
+        return normed, mid, (bb.logits(normed) if logits else None)
 
     def verify(self, backbone: Backbone, cache: KVCache, pasts: list[int], drafts: Sequence[Draft], *, rows: list[int],
                capture: tuple[int, ...] = ()) -> Verified:
@@ -133,11 +134,13 @@ class StaticStep:
         # (contiguous: a compiled pass is specialised on its inputs' strides, and one tree shared by every row
         # comes expanded)
         forward = self._wide if n > 1 else self._forward
-        normed, mid = forward(cache.keys, cache.values, batch.tokens, batch.depths.contiguous(),
-                              batch.ancestors.contiguous(), torch.tensor(lens, device=dev), tuple(capture))
+        # With frozen weights the LM head runs in the graph too (packed, padding nodes cost little); otherwise
+        # outside it, on real nodes only.
+        normed, mid, logits = forward(cache.keys, cache.values, batch.tokens, batch.depths.contiguous(),
+                                      batch.ancestors.contiguous(), torch.tensor(lens, device=dev), tuple(capture),
+                                      forward.frozen)
         live = set(rows)
         for layer in cache.lengths:         # live rows now hold their n written slots; idle rows are unchanged
             for b in range(B):
                 layer[b] = lens[b] + n if b in live else layer[b]
-        # The LM head outside the graph, on real nodes only (as eagerly): padding never pays for it.
-        return row_outputs(backbone, normed, mid, rows, batch.sizes)
+        return row_outputs(backbone, normed, mid, rows, batch.sizes, logits=logits)
