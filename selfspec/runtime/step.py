@@ -47,6 +47,8 @@ class StaticStep:
         # Trees of several nodes on CPU: the weights frozen in, packed (``StaticFunction``). A one-node pass
         # gains nothing from packing, so plain steps keep the weights as they are (and the memory of a copy).
         self._wide = StaticFunction(self._pass, compile=compile, device=backbone.device, mode=mode, freeze=True)
+        if not self._wide.frozen:   # (GPU, or not compiled: one pass for every tree)
+            self._wide = self._forward
         self._move = StaticFunction(move_slots, compile=compile, device=backbone.device, mode=mode)
         self.storage = StaticStorage(static_address=compile)   # the cache buffers every decode reuses
 
